@@ -1,0 +1,19 @@
+"""cacheclip-rag: RAG that reuses precomputed chunk KV caches and recomputes only what matters."""
+
+from .config import ChunkConfig, EngineConfig, ModelConfig, PromptConfig, SelectConfig, StoreConfig
+from .engine import Answer, CacheClipEngine
+from .models import DEFAULT_AUX, DEFAULT_PRIMARY
+
+__all__ = [
+    "Answer",
+    "CacheClipEngine",
+    "ChunkConfig",
+    "DEFAULT_AUX",
+    "DEFAULT_PRIMARY",
+    "EngineConfig",
+    "ModelConfig",
+    "PromptConfig",
+    "SelectConfig",
+    "StoreConfig",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,125 @@
+"""Online: lay out a request as one token sequence and assemble its cache from chunk caches.
+
+A request is [shared prefix][segment]...[segment], where a segment is either a stored chunk
+(its cache is reused) or plain text (separators, the question, unrecognised prompt text; always
+recomputed). Every mode runs on this identical sequence, so a comparison between modes isolates
+the KV method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .models import LoadedModel
+from .recompute import AssembledCache, decoder
+from .store import ChunkKV
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One piece of the request. chunk_id is None for plain text.
+
+    start: global position of the first token; ids [T] and offsets [T, 2] as tokenized alone.
+    """
+
+    text: str
+    chunk_id: str | None
+    start: int
+    ids: torch.Tensor
+    offsets: torch.Tensor
+
+    @property
+    def end(self) -> int:
+        return self.start + int(self.ids.numel())
+
+    @property
+    def cached(self) -> bool:
+        return self.chunk_id is not None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The request's token sequence for one model.
+
+    input_ids: [N]; prefix_len: P (positions [0, P) hold the shared prefix);
+    segments: everything after the prefix, in order, covering [P, N).
+    """
+
+    input_ids: torch.Tensor
+    prefix_len: int
+    segments: tuple[Segment, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def chunk_segments(self) -> list[Segment]:
+        return [s for s in self.segments if s.cached]
+
+    def uncached_rows(self) -> torch.Tensor:
+        """Positions [U] of every plain-text token; always recomputed."""
+        parts = [torch.arange(s.start, s.end) for s in self.segments if not s.cached]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+
+    def chunk_rows(self) -> torch.Tensor:
+        parts = [torch.arange(s.start, s.end) for s in self.segments if s.cached]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+
+
+def build_layout(prefix_ids: torch.Tensor, pieces: list[tuple[str, str | None]], tokenize) -> Layout:
+    """Tokenize each piece on its own and place the pieces after the prefix.
+
+    pieces: (text, chunk_id or None) in order. tokenize: text -> (ids [T], offsets [T, 2]).
+    """
+    segments = []
+    pos = int(prefix_ids.numel())
+    ids = [prefix_ids]
+    for text, cid in pieces:
+        seg_ids, offsets = tokenize(text)
+        if seg_ids.numel() == 0:
+            continue
+        segments.append(Segment(text, cid, pos, seg_ids, offsets))
+        ids.append(seg_ids)
+        pos += int(seg_ids.numel())
+    return Layout(torch.cat(ids), int(prefix_ids.numel()), tuple(segments))
+
+
+def rerotate(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Move RoPE keys [..., T, D] by `delta` positions: k cos(d) + rotate_half(k) sin(d).
+
+    Computed in fp32 and cast back. RoPE rotations compose, so a key rotated for position p
+    becomes exactly the key for p + delta; attention scaling is already inside the cached key.
+    """
+    if delta == 0:
+        return keys
+    angle = delta * inv_freq.to(torch.float64)
+    cos = torch.cat([angle.cos(), angle.cos()]).to(torch.float32).to(keys.device)
+    sin = torch.cat([angle.sin(), angle.sin()]).to(torch.float32).to(keys.device)
+    k = keys.to(torch.float32)
+    half = k.shape[-1] // 2
+    rotated = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
+    return (k * cos + rotated * sin).to(keys.dtype)
+
+
+def assemble(lm: LoadedModel, layout: Layout, prefix_kv: ChunkKV, chunk_kvs: dict[str, ChunkKV]) -> AssembledCache:
+    """One prefix copy, then each chunk's cache with keys re-rotated to its global position.
+
+    Rows of plain-text segments stay zero: they are recomputed before anything reads them.
+    """
+    cache = AssembledCache.empty(lm, layout.num_tokens)
+    p = layout.prefix_len
+    assert prefix_kv.num_tokens == p, f"prefix cache has {prefix_kv.num_tokens} tokens, layout {p}"
+    inv_freq = decoder(lm).rotary_emb.inv_freq
+    for layer in range(lm.num_layers):
+        cache.keys[layer][0, :, :p] = prefix_kv.keys[layer]
+        cache.values[layer][0, :, :p] = prefix_kv.values[layer]
+    for seg in layout.chunk_segments():
+        kv = chunk_kvs[seg.chunk_id]
+        assert torch.equal(kv.token_ids, seg.ids), f"cache of {seg.chunk_id} holds other tokens"
+        delta = seg.start - kv.start_pos
+        for layer in range(lm.num_layers):
+            cache.keys[layer][0, :, seg.start : seg.end] = rerotate(kv.keys[layer], delta, inv_freq)
+            cache.values[layer][0, :, seg.start : seg.end] = kv.values[layer]
+    return cache

@@ -1,0 +1,64 @@
+"""Token-based chunking with stable, content-derived chunk ids."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from .config import ChunkConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A piece of a document whose KV cache is stored and reused.
+
+    id: derived from the text alone, so the same text always maps to the same cache.
+    source: the caller's name for the document (index in the ingest call by default).
+    start, end: character span of the text inside its document.
+    """
+
+    id: str
+    text: str
+    source: str
+    start: int
+    end: int
+
+
+def chunk_id(text: str) -> str:
+    """Stable id of a chunk text: 'c' + the first 24 hex digits of its sha256."""
+    return "c" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:24]
+
+
+def split_document(text: str, tokenizer, cfg: ChunkConfig, source: str = "") -> list[Chunk]:
+    """Split one document into chunks of at most cfg.chunk_tokens primary tokens.
+
+    Consecutive chunks share cfg.overlap_tokens tokens. Chunk boundaries fall on token
+    boundaries of the whole document's tokenization and each chunk's text is the exact
+    character span those tokens cover, so offsets stay meaningful. A document shorter than
+    the chunk size is one chunk.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"a document must be a str, got {type(text).__name__}")
+    if not text.strip():
+        raise ValueError(f"document {source!r} is empty or whitespace only")
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = [(s, e) for s, e in enc["offset_mapping"]]
+    n = len(offsets)
+    if n <= cfg.chunk_tokens:
+        return [Chunk(chunk_id(text), text, source, 0, len(text))]
+    step = cfg.chunk_tokens - cfg.overlap_tokens
+    chunks: list[Chunk] = []
+    start_tok = 0
+    while True:
+        end_tok = min(start_tok + cfg.chunk_tokens, n)
+        # Spans start where the first token starts and end where the next chunk's would
+        # start, so that no character between tokens (whitespace) is lost.
+        c_start = offsets[start_tok][0]
+        c_end = offsets[end_tok][0] if end_tok < n else len(text)
+        piece = text[c_start:c_end]
+        if piece.strip():
+            chunks.append(Chunk(chunk_id(piece), piece, source, c_start, c_end))
+        if end_tok >= n:
+            break
+        start_tok += step
+    return chunks

@@ -1,0 +1,176 @@
+"""Typed configuration, one dataclass per concern, validated on construction.
+
+Everything a request may vary (mode, recompute ratio, max_new_tokens) is an argument of the
+request, not a field here: these objects describe how the engine is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+import torch
+
+MODES = ("full", "reuse", "cacheclip")
+"""Ways of building the KV cache for a request; all run on the identical token sequence."""
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ChunkConfig:
+    """Token-based chunking with the primary tokenizer (the paper uses 1000 / 50)."""
+
+    chunk_tokens: int = 256
+    overlap_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        _check_positive("chunk_tokens", self.chunk_tokens)
+        if not isinstance(self.overlap_tokens, int) or not 0 <= self.overlap_tokens < self.chunk_tokens:
+            raise ValueError(
+                f"overlap_tokens must be in [0, chunk_tokens={self.chunk_tokens}), got {self.overlap_tokens!r}"
+            )
+
+
+@dataclass(frozen=True)
+class SelectConfig:
+    """CacheClip token selection: aux scoring layer and sliding-window grouping.
+
+    score_layer: aux layer whose query-to-chunk attention scores tokens; -1 is the last layer
+        (the paper's choice).
+    window, tau: grouping window w and density threshold tau (paper defaults 8 and 5).
+    """
+
+    score_layer: int = -1
+    window: int = 8
+    tau: int = 5
+
+    def __post_init__(self) -> None:
+        _check_positive("window", self.window)
+        _check_positive("tau", self.tau)
+        if self.tau > self.window:
+            raise ValueError(f"tau must be <= window ({self.window}), got {self.tau}")
+        if not isinstance(self.score_layer, int):
+            raise ValueError(f"score_layer must be an int layer index, got {self.score_layer!r}")
+
+
+@dataclass(frozen=True)
+class PromptConfig:
+    """How a request is laid out as text.
+
+    The shared prefix is the system prompt as each model's chat template renders it, up to
+    where the user content begins; every chunk is prefilled after it. The question segment
+    closes the user turn and opens the assistant turn.
+    """
+
+    system_prompt: str = (
+        "You are a helpful assistant. Answer the question using only the provided context. "
+        "Be brief."
+    )
+    separator: str = "\n\n"
+    question_template: str = "\n\nQuestion: {question}\nAnswer briefly."
+
+    def __post_init__(self) -> None:
+        if "{question}" not in self.question_template:
+            raise ValueError(
+                f"question_template must contain '{{question}}', got {self.question_template!r}"
+            )
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """The KV store: memory tier size (bytes) in front of the safetensors files."""
+
+    memory_bytes: int = 512 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.memory_bytes, int) or self.memory_bytes < 0:
+            raise ValueError(f"memory_bytes must be a non-negative integer, got {self.memory_bytes!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """How models are loaded. dtype applies to both models and to the stored caches."""
+
+    dtype: str = "bfloat16"
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.threads is not None:
+            _check_positive("threads", self.threads)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """All engine settings; each part validates itself."""
+
+    chunk: ChunkConfig = field(default_factory=ChunkConfig)
+    select: SelectConfig = field(default_factory=SelectConfig)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    top_k: int = 4
+    """Chunks retrieved per question when the caller gives no chunk ids."""
+    embedder: str = "all-minilm-l6-v2"
+    """Sentence-transformers model for the chunk index: the embedded default or a local folder."""
+
+    def __post_init__(self) -> None:
+        _check_positive("top_k", self.top_k)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        """Build from a nested dict (as written by to_dict); unknown keys are an error."""
+        kwargs: dict[str, Any] = {}
+        known = {f.name: f for f in fields(cls)}
+        for key, value in data.items():
+            if key not in known:
+                raise ValueError(f"unknown config key {key!r}; expected one of {sorted(known)}")
+            sub = _SECTIONS.get(key)
+            kwargs[key] = sub(**value) if sub is not None else value
+        return cls(**kwargs)
+
+
+_SECTIONS = {
+    "chunk": ChunkConfig,
+    "select": SelectConfig,
+    "prompt": PromptConfig,
+    "store": StoreConfig,
+    "model": ModelConfig,
+}
+
+
+def _asdict(obj: Any) -> Any:
+    if is_dataclass(obj):
+        return {f.name: _asdict(getattr(obj, f.name)) for f in fields(obj)}
+    return obj
+
+
+def check_ratio(ratio: float) -> float:
+    """Validate a recompute ratio at the public boundary."""
+    try:
+        value = float(ratio)
+    except (TypeError, ValueError):
+        raise ValueError(f"recompute_ratio must be a number in [0, 1], got {ratio!r}") from None
+    if not 0.0 <= value <= 1.0:  # also rejects NaN
+        raise ValueError(f"recompute_ratio must be in [0, 1], got {ratio!r}")
+    return value
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+    return mode

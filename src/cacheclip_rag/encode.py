@@ -1,0 +1,82 @@
+"""Offline: prefill the shared prefix and each chunk after it, producing ChunkKVs to store."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import PromptConfig
+from .models import LoadedModel
+from .recompute import decoder
+from .store import ChunkKV
+
+_PLACEHOLDER = "\x00CACHECLIP-USER-CONTENT\x00"
+
+
+@dataclass(frozen=True)
+class Template:
+    """A model's prompt frame around the user content.
+
+    prefix: text before the context (system prompt and the start of the user turn).
+    suffix: text after the user content (end of user turn, start of assistant turn).
+    """
+
+    prefix: str
+    suffix: str
+
+
+def chat_template(lm: LoadedModel, prompt: PromptConfig) -> Template:
+    """Split the model's chat template at the user content; plain text when it has none."""
+    tok = lm.tokenizer
+    if getattr(tok, "chat_template", None):
+        messages = [
+            {"role": "system", "content": prompt.system_prompt},
+            {"role": "user", "content": _PLACEHOLDER},
+        ]
+        rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if rendered.count(_PLACEHOLDER) == 1:
+            before, after = rendered.split(_PLACEHOLDER)
+            return Template(before, after)
+    return Template(prompt.system_prompt + "\n\n", "\n")
+
+
+def tokenize(lm: LoadedModel, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [T] and character offsets [T, 2] of one segment, tokenized on its own.
+
+    Special tokens written in the text (a template's <|im_start|>) are parsed as such.
+    """
+    enc = lm.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = torch.tensor(enc["input_ids"], dtype=torch.long)
+    offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)
+    return ids, offsets
+
+
+def _layers_kv(cache, start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    keys = [layer.keys[0, :, start:].contiguous().clone() for layer in cache.layers]
+    values = [layer.values[0, :, start:].contiguous().clone() for layer in cache.layers]
+    return keys, values
+
+
+@torch.inference_mode()
+def encode_prefix(lm: LoadedModel, prefix: str) -> ChunkKV:
+    """The prefix's own cache, prefilled from position 0."""
+    ids, offsets = tokenize(lm, prefix)
+    if ids.numel() == 0:
+        raise ValueError("the shared prefix tokenizes to nothing; set PromptConfig.system_prompt")
+    out = decoder(lm)(input_ids=ids[None].to(lm.device), use_cache=True)
+    keys, values = _layers_kv(out.cache, 0)
+    return ChunkKV(keys, values, ids, offsets, start_pos=0)
+
+
+@torch.inference_mode()
+def encode_segment(lm: LoadedModel, prefix_ids: torch.Tensor, text: str) -> ChunkKV:
+    """Prefill prefix + text; keep the text's rows, keys rotated for positions [P, P + T)."""
+    ids, offsets = tokenize(lm, text)
+    if ids.numel() == 0:
+        raise ValueError(f"segment {text[:40]!r} tokenizes to nothing")
+    p = prefix_ids.numel()
+    full = torch.cat([prefix_ids, ids])[None].to(lm.device)
+    out = decoder(lm)(input_ids=full, use_cache=True)
+    keys, values = _layers_kv(out.cache, p)
+    return ChunkKV(keys, values, ids, offsets, start_pos=p)

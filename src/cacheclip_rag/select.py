@@ -1,0 +1,171 @@
+"""CacheClip token selection with the auxiliary model.
+
+For each retrieved chunk i the aux model reuses its own cache of [prefix + chunk_i] and computes
+only the query rows of [prefix + chunk_i + query]; all chunks run as one padded batch. At the
+scoring layer the attention of the query rows over the chunk's tokens (prefix and query columns
+excluded, softmax over the whole row) is averaged over rows and heads: one score per aux token.
+The top k = round(ratio x all chunk tokens) become candidates, sliding-window grouping keeps dense
+runs whole and drops isolated candidates, and the kept aux tokens are mapped to primary tokens
+through character offsets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import SelectConfig
+from .models import LoadedModel
+from .recompute import decoder, layer_finish, layer_qkv, rope
+from .store import ChunkKV
+
+
+@dataclass
+class ChunkSelection:
+    """Per chunk, in aux token space: scores [La], candidates and grouped keep masks [La] bool."""
+
+    scores: torch.Tensor
+    candidates: torch.Tensor
+    kept: torch.Tensor
+
+
+def _scoring_layer(aux: LoadedModel, layer: int) -> int:
+    n = aux.num_layers
+    if not -n <= layer < n:
+        raise ValueError(f"score_layer {layer} is outside the aux model's {n} layers")
+    return layer % n
+
+
+@torch.inference_mode()
+def score_chunks(
+    aux: LoadedModel, prefix_kv: ChunkKV, chunk_kvs: list[ChunkKV], query_ids: torch.Tensor, score_layer: int = -1
+) -> list[torch.Tensor]:
+    """Aux attention of the query over each chunk's tokens.
+
+    prefix_kv: aux cache of the prefix (positions [0, P)); chunk_kvs: aux caches of the chunks,
+    each prefilled after that prefix; query_ids: [Q] aux tokens of the query.
+    Returns one fp32 tensor [L_i] per chunk.
+    """
+    stop = _scoring_layer(aux, score_layer)
+    base = decoder(aux)
+    b = len(chunk_kvs)
+    p, q_len = prefix_kv.num_tokens, int(query_ids.numel())
+    lens = torch.tensor([kv.num_tokens for kv in chunk_kvs])
+    l_max = int(lens.max())
+    dev = aux.device
+    # Key layout per batch row: [prefix (P) | chunk_i padded to l_max | query (Q)].
+    n_keys = p + l_max + q_len
+    cols = torch.arange(n_keys)
+    q_idx = torch.arange(q_len)
+    visible = (cols[None, None, :] < p) | (
+        (cols[None, None, :] >= p) & (cols[None, None, :] < p + lens[:, None, None])
+    )
+    query_cols = cols[None, None, :] - (p + l_max)
+    visible = visible | ((query_cols >= 0) & (query_cols <= q_idx[None, :, None]))  # [B, Q, n_keys]
+    mask = visible[:, None].to(dev)  # [B, 1, Q, n_keys]
+    positions = (p + lens[:, None] + q_idx[None, :]).to(dev)  # [B, Q]
+
+    h = base.embed_tokens(query_ids.to(dev))[None].expand(b, -1, -1)
+    cos, sin = rope(aux, h, positions)
+    for layer_idx, layer in enumerate(base.layers):
+        q, k, v = layer_qkv(layer, h, cos, sin)
+        keys = _batched(prefix_kv.keys[layer_idx], [kv.keys[layer_idx] for kv in chunk_kvs], l_max, k)
+        if layer_idx == stop:
+            return _query_to_chunk(q, keys, mask, layer.self_attn.scaling, p, lens)
+        values = _batched(prefix_kv.values[layer_idx], [kv.values[layer_idx] for kv in chunk_kvs], l_max, v)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=layer.self_attn.scaling, enable_gqa=q.shape[1] != keys.shape[1]
+        )
+        h = layer_finish(layer, h, out)
+    raise AssertionError("scoring layer not reached")
+
+
+def _batched(prefix: torch.Tensor, chunks: list[torch.Tensor], l_max: int, query: torch.Tensor) -> torch.Tensor:
+    """[B, H_kv, P + l_max + Q, D] from prefix [H_kv, P, D], chunks [H_kv, L_i, D], query [B, H_kv, Q, D]."""
+    b = len(chunks)
+    h_kv, p, d = prefix.shape
+    out = query.new_zeros((b, h_kv, p + l_max + query.shape[2], d))
+    out[:, :, :p] = prefix.to(query.dtype)
+    for i, chunk in enumerate(chunks):
+        out[i, :, p : p + chunk.shape[1]] = chunk.to(query.dtype)
+    out[:, :, p + l_max :] = query
+    return out
+
+
+def _query_to_chunk(
+    q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float, p: int, lens: torch.Tensor
+) -> list[torch.Tensor]:
+    """Softmax attention of query rows over all visible keys; mean over heads and rows of the chunk columns."""
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group, dim=1)
+    logits = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale  # [B, H, Q, n_keys]
+    logits = logits.masked_fill(~mask, float("-inf"))
+    probs = logits.softmax(dim=-1).mean(dim=(1, 2))  # [B, n_keys]
+    return [probs[i, p : p + int(n)].cpu() for i, n in enumerate(lens)]
+
+
+def top_k_candidates(scores: list[torch.Tensor], ratio: float) -> list[torch.Tensor]:
+    """Global top k = round(ratio x total tokens) over all chunks; one bool mask per chunk."""
+    total = sum(int(s.numel()) for s in scores)
+    k = round(ratio * total)
+    flat = torch.zeros(total, dtype=torch.bool)
+    if k > 0:
+        flat[torch.topk(torch.cat(scores), k).indices] = True
+    return list(flat.split([int(s.numel()) for s in scores]))
+
+
+def group_window(candidates: torch.Tensor, window: int, tau: int) -> torch.Tensor:
+    """Sliding-window grouping over one chunk's candidate mask [L] -> kept mask [L].
+
+    A window of `window` tokens is evaluated only where it starts on a candidate; it is clipped
+    at the sequence end. If it holds at least `tau` candidates, every token in it is kept, gaps
+    included. Candidates covered by no passing window are dropped.
+    """
+    n = int(candidates.numel())
+    if n == 0:
+        return candidates.clone()
+    c = torch.cat([torch.zeros(1, dtype=torch.long), candidates.long().cumsum(0)])
+    starts = torch.arange(n)
+    ends = (starts + window).clamp(max=n)
+    passing = candidates & ((c[ends] - c[starts]) >= tau)
+    # Token j is kept if a passing window starts in (j - window, j].
+    s = torch.cat([torch.zeros(1, dtype=torch.long), passing.long().cumsum(0)])
+    lo = (starts - window + 1).clamp(min=0)
+    return (s[starts + 1] - s[lo]) > 0
+
+
+def map_tokens(src_offsets: torch.Tensor, src_selected: torch.Tensor, dst_offsets: torch.Tensor, n_chars: int) -> torch.Tensor:
+    """Select every destination token whose character span overlaps a selected source token's span.
+
+    src_offsets [S, 2], src_selected [S] bool, dst_offsets [T, 2] (character spans of the same
+    text under two tokenizers). A zero-width span counts as covering its start character.
+    Returns [T] bool.
+    """
+    sel = src_offsets[src_selected].clamp(0, n_chars)
+    sel_end = torch.maximum(sel[:, 1], sel[:, 0] + 1)
+    diff = torch.zeros(n_chars + 2, dtype=torch.long)  # +1 where a span opens, -1 where it closes
+    diff.index_add_(0, sel[:, 0], torch.ones_like(sel[:, 0]))
+    diff.index_add_(0, sel_end, -torch.ones_like(sel_end))
+    covered = (diff.cumsum(0)[: n_chars + 1] > 0).long()  # [n_chars + 1] character covered?
+    cum = torch.cat([torch.zeros(1, dtype=torch.long), covered.cumsum(0)])
+    starts = dst_offsets[:, 0].clamp(0, n_chars)
+    ends = torch.maximum(dst_offsets[:, 1], dst_offsets[:, 0] + 1).clamp(0, n_chars + 1)
+    return (cum[ends] - cum[starts]) > 0
+
+
+def select(
+    aux: LoadedModel,
+    cfg: SelectConfig,
+    ratio: float,
+    aux_prefix: ChunkKV,
+    aux_chunks: list[ChunkKV],
+    query_ids: torch.Tensor,
+) -> list[ChunkSelection]:
+    """Score, pick candidates and group, per chunk, in aux token space."""
+    scores = score_chunks(aux, aux_prefix, aux_chunks, query_ids, cfg.score_layer)
+    candidates = top_k_candidates(scores, ratio)
+    return [
+        ChunkSelection(s, c, group_window(c, cfg.window, cfg.tau)) for s, c in zip(scores, candidates)
+    ]

@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny random Llama / Qwen2 models with a small byte-level BPE tokenizer.
+
+TRITON_INTERPRET must be set before anything imports triton (transformers' model code can), so
+it is set here, first.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from cacheclip_rag.models import wrap  # noqa: E402
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "Alice keeps the blue key in the kitchen drawer; the code is 4721-9930.",
+    "Qwen and SmolLM tokenize text differently, splitting digits and words.",
+    "Café déjà vu: naïve façade, 東京 and Zürich, numbers 3.14159 and 2718281828.",
+    "Question: what is the secret number? Answer briefly using the context above.",
+    "uuid 123e4567-e89b-12d3-a456-426614174000 marks the record of the archive.",
+]
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return _tokenizer()
+
+
+def tiny_model(kind: str, tokenizer, seed: int = 0, layers: int = 3):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=1e5))
+    model = model.to(torch.float32).eval()
+    # Random init gives near-uniform attention; sharper weights make the oracles meaningful.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "proj" in name and "weight" in name:
+                p.mul_(4.0)
+    return wrap(model, tokenizer, name=f"tiny-{kind}-{seed}")
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def tiny_lm(request, tiny_tokenizer):
+    return tiny_model(request.param, tiny_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tiny_tokenizer):
+    """(primary, aux): a Qwen2-shaped primary and a Llama-shaped aux."""
+    return tiny_model("qwen2", tiny_tokenizer, seed=1, layers=3), tiny_model("llama", tiny_tokenizer, seed=2, layers=2)
