@@ -1,0 +1,208 @@
+"""The `cacheclip` command: ingest, ask, demo, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+from .config import MODES, ChunkConfig, EngineConfig
+from .models import DEFAULT_AUX, DEFAULT_PRIMARY, cache_dir
+
+log = logging.getLogger("cacheclip_rag")
+
+
+def _engine(args, chunk: ChunkConfig | None = None):
+    from .engine import CacheClipEngine
+
+    cfg = EngineConfig(chunk=chunk or ChunkConfig(), top_k=getattr(args, "k", None) or EngineConfig().top_k)
+    log.info("loading %s (primary) and %s (aux)", args.primary, args.aux)
+    return CacheClipEngine.from_pretrained(primary=args.primary, aux=args.aux, store_dir=args.store, config=cfg)
+
+
+def _read_documents(paths: list[str]) -> list:
+    docs: list = []
+    for name in paths:
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"document file {name!r} does not exist")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{name} is not valid UTF-8 text ({err.reason} at byte {err.start})") from None
+        if path.suffix == ".jsonl":
+            for n, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    try:
+                        docs.append(json.loads(line))
+                    except json.JSONDecodeError as err:
+                        raise ValueError(f"{name}:{n} is not a JSON object ({err.msg})") from None
+        else:
+            docs.append({"text": text, "source": path.name})
+    return docs
+
+
+def _demo_documents() -> tuple[list[dict], list[dict]]:
+    data = resources.files("cacheclip_rag") / "data"
+    docs = [json.loads(line) for line in (data / "demo_corpus.jsonl").read_text().splitlines() if line.strip()]
+    questions = [json.loads(line) for line in (data / "demo_questions.jsonl").read_text().splitlines() if line.strip()]
+    return docs, questions
+
+
+def _fmt_timings(t: dict[str, float]) -> str:
+    keys = ("selection", "load", "assemble", "recompute", "ttft", "total")
+    return "  ".join(f"{k} {t.get(k, 0.0):.3f}s" for k in keys)
+
+
+def cmd_ingest(args) -> int:
+    engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=args.overlap_tokens))
+    ids = engine.ingest(_read_documents(args.files), progress=not args.quiet)
+    print(f"ingested {len(ids)} chunks ({len(set(ids))} distinct) into {args.store}")
+    return 0
+
+
+def cmd_ask(args) -> int:
+    engine = _engine(args)
+    kwargs = dict(k=args.k, mode=args.mode, recompute_ratio=args.ratio, max_new_tokens=args.max_new_tokens)
+    ids = args.chunk_ids.split(",") if args.chunk_ids else None
+    answer = engine.answer(args.question, chunk_ids=ids, **kwargs)
+    result = {
+        "answer": answer.text,
+        "chunk_ids": answer.chunk_ids,
+        "mode": answer.mode,
+        "recompute_ratio": answer.recompute_ratio,
+        "effective_fraction": answer.effective_fraction,
+        "timings": answer.timings,
+    }
+    if args.compare_full and answer.mode != "full":
+        full = engine.answer(args.question, chunk_ids=answer.chunk_ids, mode="full", max_new_tokens=args.max_new_tokens)
+        result["full"] = {"answer": full.text, "ttft": full.timings["ttft"]}
+    if args.json:
+        print(json.dumps(result, indent=2, ensure_ascii=False))
+        return 0
+    print(answer.text)
+    print(f"\nchunks: {', '.join(answer.chunk_ids)}")
+    print(f"{answer.mode} (ratio {answer.recompute_ratio}, effective {100 * answer.effective_fraction:.1f}%): {_fmt_timings(answer.timings)}")
+    if "full" in result:
+        print(f"full-mode TTFT on the same request: {result['full']['ttft']:.3f}s")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    docs, questions = _demo_documents()
+    args.store = args.store or str(cache_dir() / "demo-store")
+    engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=16))
+    start = time.perf_counter()
+    ids = engine.ingest(docs, progress=True)
+    print(f"corpus: {len(docs)} documents -> {len(set(ids))} chunks, ingested in {time.perf_counter() - start:.1f}s (store {args.store})\n")
+    for q in questions:
+        answer = engine.answer(q["question"], mode="cacheclip", recompute_ratio=args.ratio, max_new_tokens=48)
+        full = engine.answer(q["question"], chunk_ids=answer.chunk_ids, mode="full", max_new_tokens=48)
+        sources = [engine.store.get_chunk(cid).source for cid in answer.chunk_ids]
+        found = all(a.lower() in answer.text.lower() for a in q["answers"])
+        print(f"Q ({q.get('hops', 1)}-chunk): {q['question']}")
+        print(f"A: {answer.text}")
+        print(f"   expected {q['answers']} -> {'found' if found else 'NOT found'}; full mode said: {full.text}")
+        print(f"   chunks: {', '.join(f'{c} ({s})' for c, s in zip(answer.chunk_ids, sources))}")
+        print(f"   cacheclip ratio {args.ratio} (effective {100 * answer.effective_fraction:.1f}%): {_fmt_timings(answer.timings)}")
+        print(f"   full-mode TTFT {full.timings['ttft']:.3f}s -> cacheclip TTFT is {answer.timings['ttft'] / full.timings['ttft']:.2f}x of full\n")
+    return 0
+
+
+def cmd_models(args) -> int:
+    from .models import EMBEDDED, resolve, verify_embedded
+
+    for name, spec in EMBEDDED.items():
+        start = time.perf_counter()
+        verify_embedded(spec)
+        folder = resolve(name)
+        print(f"{name}: verified and ready in {folder} ({time.perf_counter() - start:.1f}s)")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .eval import ttft
+
+    if args.what != "ttft":
+        raise ValueError(f"unknown benchmark {args.what!r}; available: ttft")
+    engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
+    modes = [("full", 1.0), ("reuse", 0.0)] + [("cacheclip", r) for r in args.ratios]
+    rows = ttft.run(engine, args.lengths, modes, runs=args.runs, max_new_tokens=args.max_new_tokens)
+    print(ttft.table(rows))
+    if args.json:
+        ttft.write_json(rows, args.json)
+    return 0
+
+
+def _common(p: argparse.ArgumentParser, store_default: str | None = "cacheclip-store") -> None:
+    p.add_argument("--store", default=store_default, help="store directory (caches, texts, index)")
+    p.add_argument("--primary", default=DEFAULT_PRIMARY, help="primary model: embedded name, folder or hub id")
+    p.add_argument("--aux", default=DEFAULT_AUX, help="auxiliary (selector) model")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="cacheclip", description="RAG with reused chunk KV caches (CacheClip).")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("ingest", help="chunk, cache and index documents (.txt files or .jsonl with 'text')")
+    _common(p)
+    p.add_argument("files", nargs="+")
+    p.add_argument("--chunk-tokens", type=int, default=ChunkConfig().chunk_tokens)
+    p.add_argument("--overlap-tokens", type=int, default=ChunkConfig().overlap_tokens)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_ingest)
+
+    p = sub.add_parser("ask", help="answer a question from the store")
+    _common(p)
+    p.add_argument("question")
+    p.add_argument("--mode", choices=MODES, default="cacheclip")
+    p.add_argument("--ratio", type=float, default=0.2, help="recompute ratio in [0, 1]")
+    p.add_argument("-k", type=int, default=None, help="chunks to retrieve")
+    p.add_argument("--chunk-ids", default=None, help="comma-separated chunk ids (bypasses retrieval)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--compare-full", action="store_true", help="also run full mode and report its TTFT")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_ask)
+
+    p = sub.add_parser("demo", help="ingest the shipped corpus and answer its questions")
+    _common(p, store_default=None)
+    p.add_argument("--ratio", type=float, default=0.2)
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("models", help="verify and convert the embedded default models (once)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("bench", help="benchmarks: ttft")
+    _common(p, store_default=str(cache_dir() / "bench-store"))
+    p.add_argument("what", choices=["ttft"])
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048])
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.2])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--json", default=None, help="write rows as JSON here")
+    p.set_defaults(func=cmd_bench)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return args.func(args)
+    except ValueError as err:
+        print(f"cacheclip: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Benchmarks and evaluations; each prints a table and can write JSON."""

@@ -1,0 +1,143 @@
+"""The engine on tiny random models: modes, oracles end to end, streaming, healing, bad input."""
+
+import pytest
+import torch
+
+from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
+
+from conftest import CORPUS, tiny_model
+
+QUESTION = "what is the code in the kitchen drawer?"
+
+
+@pytest.fixture()
+def engine(tiny_pair, tmp_path):
+    primary, aux = tiny_pair
+    cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4), top_k=3)
+    eng = CacheClipEngine(primary, aux, tmp_path / "store", cfg)
+    eng.ids = eng.ingest(CORPUS, progress=False)
+    return eng
+
+
+def _first_logits_equal(engine, ids, **a):
+    """Greedy text of two configurations must agree; compared on several tokens."""
+    return engine.answer(QUESTION, chunk_ids=ids, max_new_tokens=8, **a).text
+
+
+def test_ingest_returns_ids_in_document_order(engine):
+    assert len(engine.ids) >= len(CORPUS)
+    again = engine.ingest([CORPUS[0]], progress=False)  # idempotent: same ids, nothing new
+    assert again == engine.ids[: len(again)]
+    assert len(engine.index) == len(set(engine.ids))
+
+
+def test_ratio_one_equals_full_and_ratio_zero_equals_reuse(engine):
+    ids = engine.ids[:4]
+    full = engine.answer(QUESTION, chunk_ids=ids, mode="full", max_new_tokens=8)
+    clip1 = engine.answer(QUESTION, chunk_ids=ids, mode="cacheclip", recompute_ratio=1.0, max_new_tokens=8)
+    assert clip1.text == full.text and clip1.effective_fraction == 1.0
+    reuse = engine.answer(QUESTION, chunk_ids=ids, mode="reuse", max_new_tokens=8)
+    clip0 = engine.answer(QUESTION, chunk_ids=ids, mode="cacheclip", recompute_ratio=0.0, max_new_tokens=8)
+    assert clip0.text == reuse.text and clip0.recomputed == reuse.recomputed
+    assert reuse.effective_fraction == 0.0 and reuse.cached_tokens > 0
+
+
+def test_cacheclip_answer_metadata(engine):
+    ids = engine.ids[:4]
+    ans = engine.answer(QUESTION, chunk_ids=ids, recompute_ratio=0.5, max_new_tokens=4)
+    assert ans.chunk_ids == ids and ans.mode == "cacheclip"
+    assert {"selection", "load", "recompute", "ttft", "total"} <= set(ans.timings)
+    assert 0.0 <= ans.effective_fraction <= 1.0
+    assert ans.recomputed == sorted(set(ans.recomputed))
+    assert ans.recomputed[-1] == ans.prompt_tokens - 1
+    assert ans.generated_tokens <= 4
+
+
+def test_retrieval_when_no_ids_given(engine):
+    ans = engine.answer(QUESTION, max_new_tokens=2)
+    assert len(ans.chunk_ids) == 3 and set(ans.chunk_ids) <= set(engine.ids)
+    ans2 = engine.answer(QUESTION, k=1, max_new_tokens=2)
+    assert len(ans2.chunk_ids) == 1
+
+
+def test_stream_yields_the_same_text(engine):
+    ids = engine.ids[:2]
+    streamed = "".join(engine.stream(QUESTION, chunk_ids=ids, max_new_tokens=8))
+    assert streamed.strip() == engine.answer(QUESTION, chunk_ids=ids, max_new_tokens=8).text
+
+
+def test_generate_reuses_chunks_found_in_the_prompt(engine):
+    texts = [engine.store.get_chunk(cid).text for cid in engine.ids[:3]]
+    prompt = "Context:\n- " + "\n- ".join(reversed(texts)) + f"\n\nQuestion: {QUESTION}"
+    ans = engine.generate(prompt, max_new_tokens=4, mode="reuse")
+    assert ans.chunk_ids == list(reversed(engine.ids[:3]))
+    assert ans.cached_tokens > 0
+    with pytest.raises(ValueError, match="not in the prompt"):
+        engine.generate("no chunk here", chunk_ids=engine.ids[:1])
+
+
+def test_damaged_cache_is_rebuilt_from_text(engine):
+    ids = engine.ids[:2]
+    before = engine.answer(QUESTION, chunk_ids=ids, max_new_tokens=6)
+    path = engine.store.kv_path(engine.primary.namespace, ids[0])
+    data = bytearray(path.read_bytes())
+    data[-20] ^= 0x55
+    path.write_bytes(bytes(data))
+    engine.store.clear_memory()
+    after = engine.answer(QUESTION, chunk_ids=ids, max_new_tokens=6)
+    assert after.text == before.text
+    assert engine.store.stats.damaged == 1 and path.exists()
+
+
+def test_store_for_another_model_is_refused(engine, tiny_tokenizer):
+    other = tiny_model("qwen2", tiny_tokenizer, seed=99)
+    with pytest.raises(ValueError, match="different primary model"):
+        CacheClipEngine(other, engine.aux.lm, engine.store.root, engine.config)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(recompute_ratio=1.5), r"recompute_ratio must be in \[0, 1\], got 1.5"),
+        (dict(recompute_ratio=-0.1), r"recompute_ratio"),
+        (dict(recompute_ratio=float("nan")), r"recompute_ratio"),
+        (dict(recompute_ratio="lots"), r"recompute_ratio"),
+        (dict(mode="turbo"), r"mode must be one of"),
+        (dict(max_new_tokens=0), r"max_new_tokens"),
+        (dict(k=0), r"k must be an integer"),
+    ],
+)
+def test_bad_request_arguments(engine, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        engine.answer(QUESTION, **kwargs)
+
+
+def test_bad_questions_and_ids(engine):
+    with pytest.raises(ValueError, match="question must be a non-empty string"):
+        engine.answer("   ")
+    with pytest.raises(ValueError, match="unknown chunk ids"):
+        engine.answer(QUESTION, chunk_ids=["c-not-there"])
+    with pytest.raises(ValueError, match="unknown chunk ids"):
+        engine.answer(QUESTION, chunk_ids=["../../etc/passwd"])
+    with pytest.raises(ValueError, match="list of chunk id"):
+        engine.answer(QUESTION, chunk_ids=engine.ids[0])
+
+
+def test_empty_corpus(tiny_pair, tmp_path):
+    eng = CacheClipEngine(*tiny_pair, tmp_path / "empty")
+    with pytest.raises(ValueError, match="empty corpus"):
+        eng.answer(QUESTION)
+    with pytest.raises(ValueError, match="empty corpus"):
+        eng.ingest([])
+    with pytest.raises(ValueError, match="empty or whitespace"):
+        eng.ingest(["fine text", "  "])
+    with pytest.raises(ValueError, match="not a single document"):
+        eng.ingest("a bare string")
+
+
+def test_request_longer_than_the_context(tiny_pair, tmp_path):
+    primary, aux = tiny_pair
+    eng = CacheClipEngine(primary, aux, tmp_path / "s", EngineConfig(chunk=ChunkConfig(chunk_tokens=4000, overlap_tokens=0)))
+    ids = eng.ingest([" ".join(CORPUS * 30)], progress=False)
+    with pytest.raises(ValueError, match="context of 2048 positions"):
+        eng.answer(QUESTION, chunk_ids=ids, max_new_tokens=8)

@@ -1,0 +1,69 @@
+"""End to end with the embedded default models (Qwen2.5-Coder-0.5B primary, SmolLM2-135M aux).
+
+These load real weights from the converted cache folders (`make models` prepares them; the
+first load converts them). No hub access.
+"""
+
+import pytest
+import torch
+
+from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
+from cacheclip_rag.cli import _demo_documents
+from cacheclip_rag.encode import tokenize
+from cacheclip_rag.models import DEFAULT_AUX, DEFAULT_PRIMARY, load
+from cacheclip_rag.select import map_tokens
+
+pytestmark = pytest.mark.real_model
+
+TEXTS = [
+    "Order 12345678 shipped on 2026-11-29 at 09:41; total 1,234.56 EUR.",
+    "id 123e4567-e89b-12d3-a456-426614174000 / 0xDEADBEEF / v3.14.159",
+    "Zürich, 東京, São Paulo — naïve café résumé; emoji 🚀🙂 and Ελληνικά, русский.",
+]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return load(DEFAULT_PRIMARY), load(DEFAULT_AUX)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_mapping_between_the_default_tokenizers(pair, text):
+    primary, aux = pair
+    p_ids, p_off = tokenize(primary, text)
+    a_ids, a_off = tokenize(aux, text)
+    # Selecting every aux token selects every primary token.
+    everything = map_tokens(a_off, torch.ones(len(a_ids), dtype=torch.bool), p_off, len(text))
+    assert everything.all()
+    # Selecting one aux token selects exactly the primary tokens overlapping its characters.
+    for i in range(len(a_ids)):
+        sel = torch.zeros(len(a_ids), dtype=torch.bool)
+        sel[i] = True
+        got = map_tokens(a_off, sel, p_off, len(text))
+        s, e = a_off[i].tolist()
+        e = max(e, s + 1)
+        expected = [(ps < e and max(pe, ps + 1) > s) for ps, pe in p_off.tolist()]
+        assert got.tolist() == expected
+        assert got.any(), f"aux token {i} {text[s:e]!r} maps to no primary token"
+    # The digits of a number are covered on both sides.
+    if "12345678" in text:
+        start = text.index("12345678")
+        sel = (a_off[:, 0] < start + 8) & (a_off[:, 1] > start)
+        got = map_tokens(a_off, sel, p_off, len(text))
+        covered = "".join(text[s:e] for (s, e), g in zip(p_off.tolist(), got.tolist()) if g)
+        assert "12345678" in covered
+
+
+def test_answer_in_one_chunk_with_cacheclip(pair, tmp_path):
+    primary, aux = pair
+    docs, _ = _demo_documents()
+    engine = CacheClipEngine(primary, aux, tmp_path / "store", EngineConfig(chunk=ChunkConfig(chunk_tokens=256)))
+    ids = engine.ingest(docs[:5], progress=False)
+    answer = engine.answer(
+        "What is the access code of the Harbor Lab records vault?", mode="cacheclip", recompute_ratio=0.2, max_new_tokens=32
+    )
+    assert "4721-9930" in answer.text
+    assert ids[0] in answer.chunk_ids
+    assert 0 < answer.effective_fraction < 0.5
+    assert answer.cached_tokens > answer.prompt_tokens / 2
+    assert answer.timings["ttft"] > 0

@@ -1,0 +1,102 @@
+"""Top-k, sliding-window grouping and token mapping."""
+
+import torch
+
+from cacheclip_rag.select import group_window, map_tokens, score_chunks, top_k_candidates
+from cacheclip_rag.encode import encode_prefix, encode_segment, tokenize
+
+from conftest import CORPUS
+
+
+def _mask(n, idx):
+    m = torch.zeros(n, dtype=torch.bool)
+    m[list(idx)] = True
+    return m
+
+
+def _kept(n, idx, w=8, tau=5):
+    return torch.nonzero(group_window(_mask(n, idx), w, tau)).flatten().tolist()
+
+
+def test_dense_run_is_kept_whole_with_its_gaps():
+    # Windows starting at 10 (6 candidates) and 11 (5 candidates) pass; 13 (4) does not.
+    assert _kept(40, [10, 11, 13, 14, 16, 17]) == list(range(10, 19))
+
+
+def test_isolated_candidates_are_dropped():
+    assert _kept(40, [3, 20, 35]) == []
+    # 4 candidates in a window is below tau=5.
+    assert _kept(40, [10, 12, 14, 16]) == []
+
+
+def test_overlapping_windows_merge():
+    # Windows starting at 0..4 pass (the one at 4 holds 4..8, five candidates); the one at 5
+    # holds four. The union of the passing windows is 0..11.
+    kept = _kept(40, [0, 1, 2, 3, 4, 5, 6, 7, 8])
+    assert kept == list(range(0, 12))
+
+
+def test_window_must_start_on_a_candidate():
+    # Candidates 2..6 are dense, but a window starting at 0 (not a candidate) is not evaluated:
+    # the passing window is the one starting at 2, covering 2..9.
+    assert _kept(40, [2, 3, 4, 5, 6]) == list(range(2, 10))
+
+
+def test_sequence_ends_clip_windows():
+    # A run at the very end: the window is clipped at n and still needs tau candidates.
+    assert _kept(12, [7, 8, 9, 10, 11]) == [7, 8, 9, 10, 11]
+    assert _kept(12, [9, 10, 11]) == []
+    # At the start.
+    assert _kept(12, [0, 1, 2, 3, 4]) == list(range(0, 8))
+    # Shorter than the window.
+    assert _kept(5, [0, 1, 2, 3, 4]) == [0, 1, 2, 3, 4]
+    assert _kept(0, []) == []
+
+
+def test_all_candidates_keep_everything():
+    assert _kept(50, range(50)) == list(range(50))
+
+
+def test_grouping_matches_the_papers_loop_on_random_sets():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(1, 60, (1,), generator=gen))
+        cand = torch.rand(n, generator=gen) < 0.5
+        w, tau = 8, 5
+        expected = torch.zeros(n, dtype=torch.bool)
+        for t in range(n):
+            if cand[t] and int(cand[t : t + w].sum()) >= tau:
+                expected[t : t + w] = True
+        assert torch.equal(group_window(cand, w, tau), expected)
+
+
+def test_top_k_is_global_over_chunks():
+    scores = [torch.tensor([0.1, 0.9, 0.2]), torch.tensor([0.8, 0.05, 0.7, 0.3])]
+    c = top_k_candidates(scores, 3 / 7)
+    assert [m.tolist() for m in c] == [[False, True, False], [True, False, True, False]]
+    assert [m.sum().item() for m in top_k_candidates(scores, 0.0)] == [0, 0]
+    assert [m.sum().item() for m in top_k_candidates(scores, 1.0)] == [3, 4]
+
+
+def test_map_tokens_by_character_overlap():
+    src = torch.tensor([[0, 3], [3, 7], [7, 10]])
+    dst = torch.tensor([[0, 2], [2, 5], [5, 6], [6, 10]])
+    sel = torch.tensor([False, True, False])
+    assert map_tokens(src, sel, dst, 10).tolist() == [False, True, True, True]
+    assert map_tokens(src, torch.zeros(3, dtype=torch.bool), dst, 10).tolist() == [False] * 4
+    # Zero-width spans count as covering their start character.
+    assert map_tokens(torch.tensor([[4, 4]]), torch.tensor([True]), dst, 10).tolist() == [False, True, False, False]
+
+
+def test_scores_are_a_distribution_over_chunk_tokens(tiny_pair):
+    _, aux = tiny_pair
+    prefix = encode_prefix(aux, "System prompt.\n\n")
+    chunks = [encode_segment(aux, prefix.token_ids, t) for t in CORPUS[:3]]
+    query, _ = tokenize(aux, "Question: what is the code?")
+    scores = score_chunks(aux, prefix, chunks, query)
+    assert [s.numel() for s in scores] == [c.num_tokens for c in chunks]
+    for s in scores:
+        assert (s >= 0).all() and 0 < s.sum() <= 1.0 + 1e-5
+    # Batched scoring equals scoring each chunk alone (padding does not leak).
+    alone = score_chunks(aux, prefix, chunks[1:2], query)[0]
+    torch.testing.assert_close(alone, scores[1], atol=1e-5, rtol=1e-4)

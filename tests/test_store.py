@@ -1,0 +1,116 @@
+"""KVStore: round trip, atomic writes, damage detection and rebuild, fingerprint binding."""
+
+import json
+
+import pytest
+import torch
+
+from cacheclip_rag import store as store_mod
+from cacheclip_rag.chunking import Chunk
+from cacheclip_rag.store import ChunkKV, KVStore
+
+NS = "ab" * 16
+
+
+def _kv(t=5, layers=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return ChunkKV(
+        keys=[torch.randn(2, t, 8, generator=g).to(torch.bfloat16) for _ in range(layers)],
+        values=[torch.randn(2, t, 8, generator=g).to(torch.bfloat16) for _ in range(layers)],
+        token_ids=torch.arange(t),
+        offsets=torch.stack([torch.arange(t), torch.arange(t) + 1], dim=1),
+        start_pos=7,
+    )
+
+
+def _equal(a: ChunkKV, b: ChunkKV):
+    assert a.start_pos == b.start_pos
+    assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.offsets, b.offsets)
+    for x, y in zip(a.keys + a.values, b.keys + b.values):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+def test_round_trip_through_disk(tmp_path):
+    s = KVStore(tmp_path)
+    kv = _kv()
+    s.put_kv(NS, "chunk-1", kv)
+    fresh = KVStore(tmp_path)  # empty memory tier: reads the file
+    _equal(fresh.get_kv(NS, "chunk-1"), kv)
+    assert fresh.stats.disk_hits == 1
+    _equal(fresh.get_kv(NS, "chunk-1"), kv)
+    assert fresh.stats.memory_hits == 1
+    assert fresh.get_kv(NS, "other") is None
+
+
+def test_file_names_are_hashes_inside_the_store(tmp_path):
+    s = KVStore(tmp_path)
+    s.put_kv(NS, "../../etc/passwd", _kv())
+    files = list((tmp_path / "kv").rglob("*.safetensors"))
+    assert len(files) == 1 and files[0].parent.parent == tmp_path / "kv"
+    assert "passwd" not in files[0].name
+    with pytest.raises(ValueError, match="hex digest"):
+        s.kv_path("../escape", "x")
+
+
+def test_failed_write_leaves_the_old_file(tmp_path, monkeypatch):
+    s = KVStore(tmp_path)
+    old = _kv(seed=1)
+    s.put_kv(NS, "c", old)
+
+    def broken_save(tensors, path, metadata=None):
+        with open(path, "wb") as fh:
+            fh.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store_mod, "save_file", broken_save)
+    with pytest.raises(OSError, match="No space"):
+        s.put_kv(NS, "c", _kv(seed=2))
+    leftovers = [p.name for p in (tmp_path / "kv" / NS).iterdir()]
+    assert len(leftovers) == 1 and not leftovers[0].startswith(".tmp")
+    _equal(KVStore(tmp_path).get_kv(NS, "c"), old)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
+def test_damaged_file_is_detected_and_removed(tmp_path, damage):
+    s = KVStore(tmp_path)
+    s.put_kv(NS, "c", _kv())
+    path = s.kv_path(NS, "c")
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "flip":
+        data[-10] ^= 0xFF  # inside tensor bytes: parses, fails the checksum
+    else:
+        data = b"not a safetensors file"
+    path.write_bytes(bytes(data))
+    fresh = KVStore(tmp_path)
+    assert fresh.get_kv(NS, "c") is None
+    assert fresh.stats.damaged == 1 and not path.exists()
+
+
+def test_memory_tier_is_bounded(tmp_path):
+    kv = _kv(t=50)
+    s = KVStore(tmp_path, store_mod.StoreConfig(memory_bytes=int(kv.nbytes * 2.5)))
+    for i in range(5):
+        s.put_kv(NS, f"c{i}", _kv(t=50, seed=i))
+    assert s.memory_bytes <= kv.nbytes * 2.5
+    s.get_kv(NS, "c0")  # evicted from memory, still on disk
+    assert s.stats.disk_hits == 1
+
+
+def test_chunk_texts_round_trip(tmp_path):
+    s = KVStore(tmp_path)
+    c = Chunk("cid", "Zürich — 東京 text", "doc", 3, 20)
+    s.put_chunk(c)
+    assert KVStore(tmp_path).get_chunk("cid") == c
+    assert s.get_chunk("unknown") is None
+    assert s.chunk_ids() == ["cid"]
+
+
+def test_fingerprint_mismatch_is_refused(tmp_path):
+    s = KVStore(tmp_path)
+    s.bind_models({"primary": "aaa", "aux": "bbb"})
+    KVStore(tmp_path).bind_models({"primary": "aaa", "aux": "bbb"})
+    with pytest.raises(ValueError, match="different primary model"):
+        KVStore(tmp_path).bind_models({"primary": "zzz", "aux": "bbb"})
+    assert json.loads((tmp_path / "store.json").read_text())["models"]["primary"] == "aaa"
