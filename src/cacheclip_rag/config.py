@@ -124,9 +124,13 @@ class EngineConfig:
     """Chunks retrieved per question when the caller gives no chunk ids."""
     embedder: str = "all-minilm-l6-v2"
     """Sentence-transformers model for the chunk index: the embedded default or a local folder."""
+    attention_backend: str = "auto"
+    """Recompute attention: "auto" (Triton kernel on CUDA, torch reference on CPU), "torch", "triton"."""
 
     def __post_init__(self) -> None:
         _check_positive("top_k", self.top_k)
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return _asdict(self)

@@ -358,7 +358,7 @@ class CacheClipEngine:
 
         t = time.perf_counter()
         rows = torch.unique(torch.cat([layout.uncached_rows(), selected]))  # sorted
-        logits = recompute_rows(frame.lm, cache, layout.input_ids, rows)
+        logits = recompute_rows(frame.lm, cache, layout.input_ids, rows, self.config.attention_backend)
         timings["recompute"] = time.perf_counter() - t
         return rows, cache, logits
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from cacheclip_kernels import sparse_query_attention_ref
+from cacheclip_kernels import sparse_query_attention, sparse_query_attention_ref
 
 from .models import LoadedModel
 
@@ -81,14 +81,25 @@ def layer_finish(layer: nn.Module, h: torch.Tensor, attn_out: torch.Tensor) -> t
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
-    """Sparse-query attention: each row sees keys at positions <= its own. Shapes as the kernel's."""
+BACKENDS = ("auto", "torch", "triton")
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float, backend: str = "auto"
+) -> torch.Tensor:
+    """Sparse-query attention: each row sees keys at positions <= its own. Shapes as the kernel's.
+
+    backend "auto" runs the Triton kernel on CUDA tensors and the torch reference elsewhere;
+    "torch" and "triton" force one (triton on CPU works only under TRITON_INTERPRET=1).
+    """
+    if backend == "triton" or (backend == "auto" and q.is_cuda):
+        return sparse_query_attention(q, k, v, q_pos, scale=scale)
     return sparse_query_attention_ref(q, k, v, q_pos, scale=scale)
 
 
 @torch.inference_mode()
 def recompute_rows(
-    lm: LoadedModel, cache: AssembledCache, input_ids: torch.Tensor, rows: torch.Tensor
+    lm: LoadedModel, cache: AssembledCache, input_ids: torch.Tensor, rows: torch.Tensor, backend: str = "auto"
 ) -> torch.Tensor:
     """Recompute `rows` of the request in place in `cache`; return the last row's logits.
 
@@ -107,7 +118,7 @@ def recompute_rows(
         q, k, v = layer_qkv(layer, h, cos, sin)
         cache.keys[layer_idx][:, :, rows] = k
         cache.values[layer_idx][:, :, rows] = v
-        out = attend(q, cache.keys[layer_idx], cache.values[layer_idx], pos, layer.self_attn.scaling)
+        out = attend(q, cache.keys[layer_idx], cache.values[layer_idx], pos, layer.self_attn.scaling, backend)
         h = layer_finish(layer, h, out)
     last = base.norm(h[:, -1:])
     return lm.model.lm_head(last)[0, -1].float()

@@ -1,0 +1,92 @@
+"""Benchmark: sparse-query kernel vs its torch reference vs dense causal SDPA over all N rows.
+
+    python -m cacheclip_kernels.bench                 # on a GPU: N in 2K/8K/16K, M/N in 0.1/0.2/0.5
+    TRITON_INTERPRET=1 python -m cacheclip_kernels.bench --cpu   # CPU interpreter, tiny shapes
+
+Rows are a random (scattered) subset of positions, as CacheClip's recompute step produces.
+Times are medians; ratios are against dense SDPA in the same run. Interpreter numbers measure
+the interpreter, not the kernel: they are labelled so and are no speed figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from . import sparse_query_attention, sparse_query_attention_ref
+
+
+def _time(fn, device: str, reps: int) -> float:
+    """Median milliseconds of fn()."""
+    if device == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=10, rep=reps * 10, return_mode="median"))
+    fn()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def run(lengths, fractions, heads=14, kv_heads=2, head_dim=64, dtype=torch.bfloat16, device="cuda", reps=20):
+    rows = []
+    for n in lengths:
+        for frac in fractions:
+            m = max(1, int(n * frac))
+            g = torch.Generator(device="cpu").manual_seed(n + m)
+            q = torch.randn(1, heads, m, head_dim, generator=g).to(device, dtype)
+            k = torch.randn(1, kv_heads, n, head_dim, generator=g).to(device, dtype)
+            v = torch.randn(1, kv_heads, n, head_dim, generator=g).to(device, dtype)
+            pos = torch.sort(torch.randperm(n, generator=g)[:m]).values[None].to(device)
+            q_all = torch.randn(1, heads, n, head_dim, generator=g).to(device, dtype)
+            dense = _time(lambda: F.scaled_dot_product_attention(q_all, k, v, is_causal=True, enable_gqa=True), device, reps)
+            kernel = _time(lambda: sparse_query_attention(q, k, v, pos), device, reps)
+            ref = _time(lambda: sparse_query_attention_ref(q, k, v, pos), device, reps)
+            rows.append(dict(n=n, m=m, frac=frac, kernel_ms=kernel, ref_ms=ref, dense_ms=dense,
+                             kernel_vs_dense=kernel / dense, ref_vs_dense=ref / dense))
+    return rows
+
+
+def table(rows, label: str) -> str:
+    head = f"{'N':>6} {'M/N':>5} {'kernel ms':>10} {'torch ref ms':>13} {'dense SDPA ms':>14} {'kernel/dense':>13} {'ref/dense':>10}"
+    lines = [label, head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['n']:>6} {r['frac']:>5.2f} {r['kernel_ms']:>10.3f} {r['ref_ms']:>13.3f} {r['dense_ms']:>14.3f} "
+                     f"{r['kernel_vs_dense']:>13.3f} {r['ref_vs_dense']:>10.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cpu", action="store_true", help="run on CPU (needs TRITON_INTERPRET=1); tiny shapes")
+    ap.add_argument("--lengths", type=int, nargs="+", default=None)
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.2, 0.5])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.cpu:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("--cpu needs TRITON_INTERPRET=1 in the environment before Python starts")
+        rows = run(args.lengths or [256, 512], args.fractions, heads=4, kv_heads=2, dtype=torch.float32, device="cpu", reps=3)
+        label = "CPU, Triton INTERPRETER (fp32): these times measure the interpreter, NOT kernel speed"
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA device; use --cpu with TRITON_INTERPRET=1 for a functional run")
+        rows = run(args.lengths or [2048, 8192, 16384], args.fractions)
+        label = f"{torch.cuda.get_device_name()} bf16, B=1 H=14 H_kv=2 D=64 (Qwen2.5-0.5B shapes)"
+    print(table(rows, label))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"label": label, "rows": rows}, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The Triton sparse-query kernel against its plain-torch reference (interpreted on CPU)."""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from cacheclip_kernels import sparse_query_attention, sparse_query_attention_ref  # noqa: E402
+from cacheclip_kernels.reference import causal_position_mask  # noqa: E402
+
+CASES = [
+    # (B, H, H_kv, M, N, D)
+    (1, 4, 4, 1, 1, 64),  # one row at position 0 of a one-token cache
+    (1, 3, 1, 37, 300, 64),  # GQA 3, ragged M and N
+    (2, 7, 1, 20, 129, 128),  # GQA 7, D 128, batch 2
+    (1, 2, 2, 70, 70, 64),  # every row selected (dense causal)
+    (2, 6, 2, 65, 257, 64),  # M and N just past block multiples
+    (1, 4, 2, 5, 513, 128),  # few rows, long cache
+]
+
+
+def _inputs(b, h, h_kv, m, n, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, m, d, generator=g)
+    k = torch.randn(b, h_kv, n, d, generator=g)
+    v = torch.randn(b, h_kv, n, d, generator=g)
+    pos = torch.stack([torch.randperm(n, generator=g)[:m] for _ in range(b)])  # unsorted, distinct
+    pos[:, 0] = 0
+    if m > 1:
+        pos[:, -1] = n - 1
+    return q.to(dtype), k.to(dtype), v.to(dtype), pos
+
+
+def _ref_lse(q, k, pos, scale):
+    group = q.shape[1] // k.shape[1]
+    kk = k.float().repeat_interleave(group, dim=1)
+    logits = torch.matmul(q.float(), kk.transpose(-1, -2)) * scale
+    logits = logits.masked_fill(~causal_position_mask(pos, k.shape[2]), float("-inf"))
+    return torch.logsumexp(logits, dim=-1)
+
+
+@pytest.mark.parametrize("shape", CASES, ids=lambda s: "x".join(map(str, s)))
+def test_fp32_matches_reference(shape):
+    q, k, v, pos = _inputs(*shape, torch.float32, seed=sum(shape))
+    out, lse = sparse_query_attention(q, k, v, pos, return_lse=True)
+    ref = sparse_query_attention_ref(q, k, v, pos)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, _ref_lse(q, k, pos, shape[-1] ** -0.5), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", CASES[1:4], ids=lambda s: "x".join(map(str, s)))
+def test_half_precision_within_twice_torch_error(shape, dtype):
+    q, k, v, pos = _inputs(*shape, dtype, seed=7)
+    exact = sparse_query_attention_ref(q.float(), k.float(), v.float(), pos)
+    torch_err = (sparse_query_attention_ref(q, k, v, pos).float() - exact).abs().max().item()
+    kernel_err = (sparse_query_attention(q, k, v, pos).float() - exact).abs().max().item()
+    # The interpreter has no bf16 type (numpy): its fp32 -> bf16 store truncates instead of
+    # rounding to nearest, which alone doubles the output's rounding error. On a GPU, 2x holds.
+    factor = 4 if dtype == torch.bfloat16 and not q.is_cuda else 2
+    assert kernel_err <= factor * torch_err + 1e-4, (kernel_err, torch_err)
+
+
+def test_custom_scale_and_small_blocks():
+    q, k, v, pos = _inputs(1, 2, 1, 33, 90, 64, torch.float32, seed=3)
+    out = sparse_query_attention(q, k, v, pos, scale=0.3, block_m=16, block_n=32)
+    torch.testing.assert_close(out, sparse_query_attention_ref(q, k, v, pos, scale=0.3), atol=2e-5, rtol=2e-5)
+
+
+def test_repeated_positions_and_empty_selection():
+    q, k, v, _ = _inputs(1, 2, 2, 6, 40, 64, torch.float32, seed=4)
+    pos = torch.tensor([[5, 5, 0, 39, 39, 12]])
+    torch.testing.assert_close(sparse_query_attention(q, k, v, pos), sparse_query_attention_ref(q, k, v, pos), atol=2e-5, rtol=2e-5)
+    empty = sparse_query_attention(q[:, :, :0], k, v, pos[:, :0])
+    assert empty.shape == (1, 2, 0, 64)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(h_kv=3), "multiple of kv heads"),
+        (dict(d=48), "head_dim"),
+        (dict(pos_hi=True), r"q_pos must lie in"),
+        (dict(pos_shape=True), r"q_pos must be \[B, M\]"),
+        (dict(mixed=True), "share one of"),
+    ],
+)
+def test_launcher_rejects_bad_input(change, match):
+    h_kv, d = change.get("h_kv", 2), change.get("d", 64)
+    q = torch.randn(1, 4, 3, d)
+    k = torch.randn(1, h_kv, 10, d)
+    v = torch.randn(1, h_kv, 10, d)
+    pos = torch.tensor([[0, 4, 9]])
+    if change.get("pos_hi"):
+        pos = torch.tensor([[0, 4, 10]])
+    if change.get("pos_shape"):
+        pos = pos[0]
+    if change.get("mixed"):
+        k, v = k.half(), v.half()
+    with pytest.raises(ValueError, match=match):
+        sparse_query_attention(q, k, v, pos)
+
+
+def test_recompute_through_the_kernel_equals_the_torch_path(tiny_pair):
+    from cacheclip_rag.assemble import assemble, build_layout
+    from cacheclip_rag.encode import encode_prefix, encode_segment, tokenize
+    from cacheclip_rag.recompute import recompute_rows
+
+    from conftest import CORPUS
+
+    lm, _ = tiny_pair
+    prefix = encode_prefix(lm, "System.\n\n")
+    kvs = {f"c{i}": encode_segment(lm, prefix.token_ids, t) for i, t in enumerate(CORPUS[:3])}
+    pieces = [(t, f"c{i}") for i, t in enumerate(CORPUS[:3])] + [("\n\nQuestion: code?", None)]
+    layout = build_layout(prefix.token_ids, pieces, lambda s: tokenize(lm, s))
+    rows = torch.unique(torch.cat([layout.uncached_rows(), layout.chunk_rows()[::3]]))
+    results = {}
+    for backend in ("torch", "triton"):
+        cache = assemble(lm, layout, prefix, kvs)
+        logits = recompute_rows(lm, cache, layout.input_ids, rows, backend=backend)
+        results[backend] = (logits, cache)
+    torch.testing.assert_close(results["triton"][0], results["torch"][0], atol=1e-4, rtol=1e-4)
+    for kt, kr in zip(results["triton"][1].keys, results["torch"][1].keys):
+        torch.testing.assert_close(kt, kr, atol=1e-4, rtol=1e-4)
+    assert not math.isnan(results["triton"][0].sum().item())
