@@ -82,3 +82,14 @@ def tiny_lm(request, tiny_tokenizer):
 def tiny_pair(tiny_tokenizer):
     """(primary, aux): a Qwen2-shaped primary and a Llama-shaped aux."""
     return tiny_model("qwen2", tiny_tokenizer, seed=1, layers=3), tiny_model("llama", tiny_tokenizer, seed=2, layers=2)
+
+
+@pytest.fixture(scope="session")
+def real_engine(tmp_path_factory):
+    """The default pair with the shipped demo corpus ingested (one per test session)."""
+    from cacheclip_rag import CacheClipEngine
+    from cacheclip_rag.cli import _demo_documents
+
+    engine = CacheClipEngine.from_pretrained(store_dir=tmp_path_factory.mktemp("real-store"))
+    engine.ingest(_demo_documents()[0], progress=False)
+    return engine

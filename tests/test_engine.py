@@ -73,7 +73,10 @@ def test_generate_reuses_chunks_found_in_the_prompt(engine):
     assert ans.chunk_ids == list(reversed(engine.ids[:3]))
     assert ans.cached_tokens > 0
     with pytest.raises(ValueError, match="not in the prompt"):
-        engine.generate("no chunk here", chunk_ids=engine.ids[:1])
+        engine.generate(texts[0] + " and a question", chunk_ids=engine.ids[:2])
+    # Ids whose texts are absent: the prompt is the question, the chunks go before it.
+    as_question = engine.generate("What is the code?", chunk_ids=engine.ids[:2], max_new_tokens=2)
+    assert as_question.chunk_ids == engine.ids[:2] and as_question.context_tokens > 0
 
 
 def test_damaged_cache_is_rebuilt_from_text(engine):
@@ -141,3 +144,36 @@ def test_request_longer_than_the_context(tiny_pair, tmp_path):
     ids = eng.ingest([" ".join(CORPUS * 30)], progress=False)
     with pytest.raises(ValueError, match="context of 2048 positions"):
         eng.answer(QUESTION, chunk_ids=ids, max_new_tokens=8)
+
+
+def test_stream_sets_the_answer_when_done(engine):
+    stream = engine.stream(QUESTION, chunk_ids=engine.ids[:2], max_new_tokens=5)
+    assert stream.answer is None
+    text = "".join(stream)
+    assert stream.answer is not None and stream.answer.text == text.strip()
+    with pytest.raises(ValueError, match="recompute_ratio"):
+        engine.stream(QUESTION, recompute_ratio=2)  # refused at creation, before iterating
+
+
+def test_generate_retrieves_for_a_bare_question(engine):
+    ans = engine.generate(QUESTION, retrieve=True, k=2, max_new_tokens=2)
+    assert len(ans.chunk_ids) == 2 and ans.cached_tokens > 0
+    bare = engine.generate(QUESTION, max_new_tokens=2)
+    assert bare.chunk_ids == [] and bare.context_tokens == 0  # only the shared prefix is reused
+
+
+def test_ingest_without_splitting_keeps_texts_verbatim(engine):
+    text = " ".join(CORPUS)  # longer than the 24-token chunk size
+    ids = engine.ingest([text], split=False, progress=False)
+    assert len(ids) == 1 and engine.store.get_chunk(ids[0]).text == text
+    ans = engine.generate(f"Context: {text}\nQ: {QUESTION}", max_new_tokens=2)
+    assert ans.chunk_ids == ids
+
+
+def test_reopening_heals_a_lost_index(engine, tiny_pair):
+    root = engine.store.root
+    for f in (root / "index").iterdir():
+        f.unlink()
+    reopened = CacheClipEngine(*tiny_pair, root, engine.config)
+    assert set(reopened.index.ids()) == set(engine.ids)
+    assert len(reopened.matcher) == len(set(engine.ids))

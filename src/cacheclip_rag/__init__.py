@@ -1,11 +1,12 @@
 """cacheclip-rag: RAG that reuses precomputed chunk KV caches and recomputes only what matters."""
 
 from .config import ChunkConfig, EngineConfig, ModelConfig, PromptConfig, SelectConfig, StoreConfig
-from .engine import Answer, CacheClipEngine
+from .engine import Answer, AnswerStream, CacheClipEngine
 from .models import DEFAULT_AUX, DEFAULT_PRIMARY
 
 __all__ = [
     "Answer",
+    "AnswerStream",
     "CacheClipEngine",
     "ChunkConfig",
     "DEFAULT_AUX",

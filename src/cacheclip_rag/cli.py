@@ -186,7 +186,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ratios", type=float, nargs="+", default=[0.2])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--chunk-tokens", type=int, default=256)
-    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--json", default=None, help="write rows as JSON here")
     p.set_defaults(func=cmd_bench)
     return ap

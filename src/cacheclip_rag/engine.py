@@ -20,12 +20,13 @@ from tqdm.auto import tqdm
 
 from . import models as model_lib
 from .assemble import Layout, assemble, build_layout
-from .chunking import Chunk, split_document
+from .chunking import Chunk, chunk_id, split_document
 from .config import EngineConfig, check_mode, check_ratio
 from .encode import Template, chat_template, encode_prefix, encode_segment, tokenize
 from .generate import DecodeOptions, decode, to_dynamic_cache
 from .index import ChunkIndex
 from .models import LoadedModel
+from .recognize import ChunkMatcher
 from .recompute import recompute_rows
 from .select import map_tokens, select
 from .store import ChunkKV, KVStore
@@ -42,6 +43,7 @@ class Answer:
 
     recomputed: positions (in the request's primary token sequence) whose K/V were computed for
         this request: selected chunk tokens plus every uncached token (separators, question).
+    cached_tokens / computed_tokens: prompt tokens whose K/V came from the store / were computed.
     effective_fraction: recomputed chunk tokens / all chunk tokens (0 for reuse, 1 for full).
     timings: seconds; selection, load, assemble, recompute, ttft, decode, total.
     """
@@ -55,8 +57,35 @@ class Answer:
     prompt_tokens: int
     context_tokens: int
     cached_tokens: int
+    computed_tokens: int
     effective_fraction: float
     generated_tokens: int
+
+
+class AnswerStream:
+    """Iterates over the text pieces of one request; `.answer` holds the `Answer` once done.
+
+    Bad input is refused when the stream is created, not on the first iteration.
+    """
+
+    def __init__(self, engine: CacheClipEngine, request: _Request):
+        self._engine, self._request = engine, request
+        self._pieces: list[str] = []
+        self._iter = engine._run(request)
+        self.answer: Answer | None = None
+
+    def __iter__(self) -> AnswerStream:
+        return self
+
+    def __next__(self) -> str:
+        try:
+            piece = next(self._iter)
+        except StopIteration:
+            if self.answer is None:
+                self.answer = self._engine._finish(self._request, "".join(self._pieces))
+            raise
+        self._pieces.append(piece)
+        return piece
 
 
 @dataclass
@@ -102,7 +131,19 @@ class CacheClipEngine:
         self.primary = self._frame(primary)
         self.aux = self._frame(aux)
         self.index = ChunkIndex(Path(store_dir) / "index", self.config.embedder)
+        self.matcher = ChunkMatcher()
         self._ingest_lock = threading.Lock()
+        self._open_corpus()
+
+    def _open_corpus(self) -> None:
+        """Load the stored chunk texts into the prompt matcher; index any the index lacks."""
+        chunks = self.store.chunks()
+        for chunk in chunks:
+            self.matcher.add(chunk.id, chunk.text)
+        missing = [(c.id, c.text) for c in chunks if c.id not in self.index]
+        if missing:
+            log.warning("chunk index lacks %d of %d stored chunks; adding them", len(missing), len(chunks))
+            self.index.add(missing)
 
     @classmethod
     def from_pretrained(
@@ -127,18 +168,24 @@ class CacheClipEngine:
 
     # ----- offline --------------------------------------------------------------------------
 
-    def ingest(self, documents: Iterable[str | Mapping], progress: bool = True) -> list[str]:
+    def ingest(self, documents: Iterable[str | Mapping], progress: bool = True, split: bool = True) -> list[str]:
         """Chunk, cache (primary and aux) and index documents; return chunk ids in document order.
 
         A document is a str or a mapping with "text" and optional "title" / "source". Chunks
-        already in the store are not recomputed.
+        already in the store are not recomputed. split=False takes each document as one chunk,
+        verbatim: that is how a framework's own nodes become reusable chunks.
         """
         if isinstance(documents, (str, bytes, Mapping)):
             raise ValueError("documents must be a list of documents, not a single document")
         chunks: list[Chunk] = []
         for i, doc in enumerate(documents):
             text, source = _document_text(doc, i)
-            chunks.extend(split_document(text, self.primary.lm.tokenizer, self.config.chunk, source))
+            if split:
+                chunks.extend(split_document(text, self.primary.lm.tokenizer, self.config.chunk, source))
+            elif text.strip():
+                chunks.append(Chunk(chunk_id(text), text, source, 0, len(text)))
+            else:
+                raise ValueError(f"document {source!r} is empty or whitespace only")
         if not chunks:
             raise ValueError("empty corpus: expected at least one non-empty document")
         with self._ingest_lock:
@@ -147,6 +194,7 @@ class CacheClipEngine:
                 self.store.put_chunk(chunk)
                 for frame in (self.primary, self.aux):
                     self._chunk_kv(frame, chunk.id, chunk.text)
+                self.matcher.add(chunk.id, chunk.text)
             self.index.add([(c.id, c.text) for c in unique])
         return [c.id for c in chunks]
 
@@ -188,21 +236,45 @@ class CacheClipEngine:
         kwargs: k, mode ("full" | "reuse" | "cacheclip"), recompute_ratio (in [0, 1]),
         max_new_tokens, temperature, stop.
         """
-        request = self._question_request(question, chunk_ids, **kwargs)
-        return self._finish(request, "".join(self._run(request)))
+        return self._finish(*self._collect(self._question_request(question, chunk_ids, **kwargs)))
 
-    def stream(self, question: str, chunk_ids: list[str] | None = None, **kwargs) -> Iterator[str]:
-        """Like `answer`, yielding the text as it is generated."""
-        return self._run(self._question_request(question, chunk_ids, **kwargs))
+    def stream(self, question: str, chunk_ids: list[str] | None = None, **kwargs) -> AnswerStream:
+        """Like `answer`, yielding the text as it is generated; `.answer` is set at the end."""
+        return AnswerStream(self, self._question_request(question, chunk_ids, **kwargs))
 
-    def generate(self, prompt: str, chunk_ids: list[str] | None = None, **kwargs) -> Answer:
+    def generate(
+        self, prompt: str, chunk_ids: list[str] | None = None, *, retrieve: bool = False, k: int | None = None, **kwargs
+    ) -> Answer:
         """Answer a prompt that already holds chunk texts (as a RAG framework builds it).
 
-        Each stored chunk whose text appears in the prompt is reused from its cache; the rest of
-        the prompt is recomputed. With chunk_ids, only those chunks are looked for.
+        Every stored chunk whose text appears in the prompt (any template, order, separators) is
+        reused from its cache; the rest of the prompt is recomputed. With chunk_ids, only those
+        chunks are looked for and each must be present; if none is, the prompt is taken as the
+        question and those chunks are placed before it. With retrieve=True, a prompt holding no
+        stored chunk is treated as a bare question: the top-k chunks are retrieved and answered
+        from. kwargs as for `answer`.
         """
+        return self._finish(*self._collect(self._generate_request(prompt, chunk_ids, retrieve, k, kwargs)))
+
+    def stream_generate(
+        self, prompt: str, chunk_ids: list[str] | None = None, *, retrieve: bool = False, k: int | None = None, **kwargs
+    ) -> AnswerStream:
+        """Like `generate`, yielding text pieces as they are decoded; `.answer` is set at the end."""
+        return AnswerStream(self, self._generate_request(prompt, chunk_ids, retrieve, k, kwargs))
+
+    def _generate_request(self, prompt, chunk_ids, retrieve, k, kwargs) -> _Request:
+        if chunk_ids is not None and not self.matcher.find(prompt, set(self._check_ids(chunk_ids))):
+            # Ids handed over without their texts in the prompt: the prompt is the question.
+            return self._question_request(prompt, chunk_ids, **kwargs)
         request = self._prompt_request(prompt, chunk_ids, **kwargs)
-        return self._finish(request, "".join(self._run(request)))
+        if not request.chunk_ids and chunk_ids is None:
+            if retrieve:
+                return self._question_request(prompt, None, k=k, **kwargs)
+            log.warning("no stored chunk text found in the prompt: nothing is reused (%d prompt chars)", len(prompt))
+        return request
+
+    def _collect(self, request: _Request) -> tuple[_Request, str]:
+        return request, "".join(self._run(request))
 
     # ----- request building -----------------------------------------------------------------
 
@@ -253,8 +325,8 @@ class CacheClipEngine:
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
         mode, ratio, opts = self._request(mode, recompute_ratio, max_new_tokens, temperature, stop)
-        candidates = self._check_ids(chunk_ids) if chunk_ids is not None else self.store.chunk_ids()
-        found = _find_chunks(prompt, {cid: self._chunk_text(cid) for cid in candidates})
+        only = set(self._check_ids(chunk_ids)) if chunk_ids is not None else None
+        found = self.matcher.find(prompt, only)
         if chunk_ids is not None:
             missing = [cid for cid in chunk_ids if cid not in {c for _, _, c in found}]
             if missing:
@@ -403,6 +475,7 @@ class CacheClipEngine:
             prompt_tokens=layout.num_tokens,
             context_tokens=n_context,
             cached_tokens=cached,
+            computed_tokens=layout.num_tokens - cached,
             effective_fraction=recomputed_context / n_context if n_context else 0.0,
             generated_tokens=request.generated,
         )
@@ -419,23 +492,3 @@ def _document_text(doc, i: int) -> tuple[str, str]:
         source = str(doc.get("source") or title or f"doc{i}")
         return (f"{title}\n{text}" if isinstance(title, str) and title else text), source
     raise ValueError(f"document {i} must be a str or a mapping with 'text', got {type(doc).__name__}")
-
-
-def _find_chunks(prompt: str, texts: dict[str, str]) -> list[tuple[int, int, str]]:
-    """Non-overlapping (start, end, chunk id) occurrences of chunk texts in the prompt, in order.
-
-    Longer chunks win where two occurrences overlap. A simple scan per chunk; the linear-time
-    recognizer for large corpora replaces it.
-    """
-    hits = []
-    for cid, text in texts.items():
-        start = prompt.find(text)
-        while start >= 0:
-            hits.append((start, start + len(text), cid))
-            start = prompt.find(text, start + len(text))
-    hits.sort(key=lambda h: (-(h[1] - h[0]), h[0]))
-    taken: list[tuple[int, int, str]] = []
-    for hit in hits:
-        if all(hit[1] <= s or hit[0] >= e for s, e, _ in taken):
-            taken.append(hit)
-    return sorted(taken)

@@ -48,6 +48,7 @@ class ChunkIndex:
         self._embedder = None
         self._index = None
         self._ids: list[str] = []
+        self._known: set[str] = set()
         self._lock = threading.RLock()
         self._load()
 
@@ -78,8 +79,13 @@ class ChunkIndex:
         return len(self._ids)
 
     def __contains__(self, chunk_id: str) -> bool:
-        with self._lock:
-            return chunk_id in set(self._ids)
+        return chunk_id in self._id_set
+
+    @property
+    def _id_set(self) -> set[str]:
+        if len(self._known) != len(self._ids):
+            self._known = set(self._ids)
+        return self._known
 
     def ids(self) -> list[str]:
         return list(self._ids)
@@ -93,7 +99,7 @@ class ChunkIndex:
         import faiss
 
         with self._lock:
-            known = set(self._ids)
+            known = set(self._id_set)
             new = []
             for cid, text in chunks:
                 if cid not in known:

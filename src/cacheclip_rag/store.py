@@ -190,14 +190,19 @@ class KVStore:
             return None
         return Chunk(data["id"], data["text"], data["source"], data["start"], data["end"])
 
-    def chunk_ids(self) -> list[str]:
-        ids = []
+    def chunks(self) -> list[Chunk]:
+        """Every stored chunk (unreadable text files are skipped with a warning)."""
+        out = []
         for path in sorted((self.root / "texts").glob("*.json")):
             try:
-                ids.append(json.loads(path.read_text())["id"])
-            except (OSError, json.JSONDecodeError, KeyError, UnicodeDecodeError):
+                data = json.loads(path.read_text())
+                out.append(Chunk(data["id"], data["text"], data["source"], data["start"], data["end"]))
+            except (OSError, json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
                 log.warning("skipping unreadable chunk text file %s", path)
-        return ids
+        return out
+
+    def chunk_ids(self) -> list[str]:
+        return [c.id for c in self.chunks()]
 
     # ----- caches ---------------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ def run(
     modes: list[tuple[str, float]],
     runs: int = 3,
     seed: int = 1234,
-    max_new_tokens: int = 12,
+    max_new_tokens: int = 32,
     cold: bool = True,
 ) -> list[TTFTRow]:
     """modes: (mode, ratio) pairs; `full` is always measured as the reference.

@@ -1,0 +1,169 @@
+"""`CacheClipLLM`: the engine behind LangChain's `BaseLLM` interface.
+
+LangChain hands an LLM only the final prompt string. The engine finds the stored chunk texts in
+it and reuses their caches (any prompt template works); a prompt with no stored chunk is taken as
+a bare question and answered from the engine's own top-k retrieval, so one object can be a whole
+RAG pipeline. Per-call options: `recompute_ratio`, `mode`, `chunk_ids`, `k`, `max_new_tokens`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import asdict
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models.llms import BaseLLM
+from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+from langchain_core.runnables.config import run_in_executor
+from pydantic import ConfigDict, Field
+
+_CALL_OPTIONS = ("recompute_ratio", "mode", "chunk_ids", "k", "max_new_tokens", "temperature")
+
+
+def _info(answer) -> dict[str, Any]:
+    """What a caller needs to see that reuse happened; attached as generation_info."""
+    data = asdict(answer)
+    data.pop("text")
+    data.pop("recomputed")
+    data["reused_chunk_ids"] = data.pop("chunk_ids")
+    return data
+
+
+class CacheClipLLM(BaseLLM):
+    """A LangChain LLM that answers from reused chunk KV caches (CacheClip).
+
+    Example:
+        llm = CacheClipLLM.from_pretrained(store_dir="store")
+        chain = retriever | format_docs | prompt | llm       # chunks recognised in the prompt
+        llm.invoke("What is ...?")                           # bare question: engine retrieval
+        llm.invoke(prompt, recompute_ratio=0.1, chunk_ids=[...])
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    engine: Any = Field(exclude=True)
+    """A `cacheclip_rag.CacheClipEngine`."""
+    mode: str = "cacheclip"
+    recompute_ratio: float = 0.2
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    k: int | None = None
+    """Chunks to retrieve for a bare question (engine default when None)."""
+    retrieve: bool = True
+    """Answer a prompt with no stored chunk text from the engine's own retrieval."""
+
+    @classmethod
+    def from_pretrained(
+        cls, primary: str | None = None, aux: str | None = None, store_dir: str = "cacheclip-store", config=None, **kwargs: Any
+    ) -> CacheClipLLM:
+        """Load the engine (embedded default models unless named) and wrap it."""
+        try:
+            from cacheclip_rag import DEFAULT_AUX, DEFAULT_PRIMARY, CacheClipEngine
+        except ImportError as err:  # pragma: no cover
+            raise ImportError("CacheClipLLM needs cacheclip-rag: pip install cacheclip-rag") from err
+        engine = CacheClipEngine.from_pretrained(
+            primary=primary or DEFAULT_PRIMARY, aux=aux or DEFAULT_AUX, store_dir=store_dir, config=config
+        )
+        return cls(engine=engine, **kwargs)
+
+    @property
+    def _llm_type(self) -> str:
+        return "cacheclip"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "primary": self.engine.primary.lm.name,
+            "aux": self.engine.aux.lm.name,
+            "mode": self.mode,
+            "recompute_ratio": self.recompute_ratio,
+            "max_new_tokens": self.max_new_tokens,
+        }
+
+    def _options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(kwargs) - set(_CALL_OPTIONS)
+        if unknown:
+            raise ValueError(f"unknown options {sorted(unknown)}; CacheClipLLM takes {list(_CALL_OPTIONS)}")
+        opts = {
+            "mode": self.mode,
+            "recompute_ratio": self.recompute_ratio,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "k": self.k,
+            "retrieve": self.retrieve,
+            "stop": stop,
+        }
+        opts.update(kwargs)
+        return opts
+
+    def _start(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]):
+        opts = self._options(stop, kwargs)
+        return self.engine.stream_generate(prompt, opts.pop("chunk_ids", None), **opts)
+
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        generations = []
+        for prompt in prompts:
+            stream = self._start(prompt, stop, kwargs)
+            for piece in stream:
+                if run_manager:
+                    run_manager.on_llm_new_token(piece)
+            generations.append([Generation(text=stream.answer.text, generation_info=_info(stream.answer))])
+        return LLMResult(generations=generations, llm_output={"model": self._llm_type})
+
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        stream = self._start(prompt, stop, kwargs)
+        for piece in stream:
+            chunk = GenerationChunk(text=piece)
+            if run_manager:
+                run_manager.on_llm_new_token(piece, chunk=chunk)
+            yield chunk
+        yield GenerationChunk(text="", generation_info=_info(stream.answer))
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        generations = []
+        for prompt in prompts:
+            text, info = "", {}
+            async for chunk in self._astream(prompt, stop, run_manager, **kwargs):
+                text += chunk.text
+                info = chunk.generation_info or info
+            generations.append([Generation(text=text.strip(), generation_info=info)])
+        return LLMResult(generations=generations, llm_output={"model": self._llm_type})
+
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        """Each decoding step runs in a worker thread, so the event loop is never blocked."""
+        stream = await run_in_executor(None, self._start, prompt, stop, kwargs)
+        done = object()
+        while True:
+            piece = await run_in_executor(None, next, stream, done)
+            if piece is done:
+                break
+            chunk = GenerationChunk(text=piece)
+            if run_manager:
+                await run_manager.on_llm_new_token(piece, chunk=chunk)
+            yield chunk
+        yield GenerationChunk(text="", generation_info=_info(stream.answer))

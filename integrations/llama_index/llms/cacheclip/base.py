@@ -1,0 +1,198 @@
+"""LlamaIndex classes over a `cacheclip_rag.CacheClipEngine`; they only adapt its interface."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict
+from typing import Any
+
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.base.llms.types import (
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+)
+from llama_index.core.base.response.schema import Response
+from llama_index.core.llms.callbacks import llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.query_engine import CustomQueryEngine
+from llama_index.core.retrievers import BaseRetriever
+from llama_index.core.schema import BaseNode, MetadataMode, TextNode
+from pydantic import ConfigDict, Field, PrivateAttr
+
+_CALL_OPTIONS = ("recompute_ratio", "mode", "chunk_ids", "k", "max_new_tokens", "temperature")
+
+
+def _info(answer) -> dict[str, Any]:
+    data = asdict(answer)
+    data.pop("text")
+    data.pop("recomputed")
+    data["reused_chunk_ids"] = data.pop("chunk_ids")
+    return data
+
+
+class CacheClipLLM(CustomLLM):
+    """A LlamaIndex LLM answering from reused chunk KV caches (CacheClip).
+
+    Chunk texts found in the prompt are reused (LlamaIndex's metadata header before a node's
+    text is simply recomputed); a prompt with no stored chunk is answered from the engine's own
+    retrieval. Chat goes through the completion path.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    engine: Any = Field(exclude=True, description="a cacheclip_rag.CacheClipEngine")
+    mode: str = "cacheclip"
+    recompute_ratio: float = 0.2
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    k: int | None = None
+    retrieve: bool = True
+
+    @classmethod
+    def from_pretrained(cls, primary: str | None = None, aux: str | None = None, store_dir: str = "cacheclip-store", config=None, **kwargs):
+        from cacheclip_rag import DEFAULT_AUX, DEFAULT_PRIMARY, CacheClipEngine
+
+        engine = CacheClipEngine.from_pretrained(
+            primary=primary or DEFAULT_PRIMARY, aux=aux or DEFAULT_AUX, store_dir=store_dir, config=config
+        )
+        return cls(engine=engine, **kwargs)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CacheClipLLM"
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(
+            context_window=self.engine.primary.lm.max_positions,
+            num_output=self.max_new_tokens,
+            model_name=f"cacheclip:{self.engine.primary.lm.name}+{self.engine.aux.lm.name}",
+            is_chat_model=False,
+        )
+
+    def _start(self, prompt: str, kwargs: dict[str, Any]):
+        kwargs = {key: v for key, v in kwargs.items() if key != "formatted"}
+        unknown = set(kwargs) - set(_CALL_OPTIONS)
+        if unknown:
+            raise ValueError(f"unknown options {sorted(unknown)}; CacheClipLLM takes {list(_CALL_OPTIONS)}")
+        opts = dict(
+            mode=self.mode,
+            recompute_ratio=self.recompute_ratio,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            k=self.k,
+            retrieve=self.retrieve,
+        )
+        opts.update(kwargs)
+        return self.engine.stream_generate(prompt, opts.pop("chunk_ids", None), **opts)
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        stream = self._start(prompt, kwargs)
+        for _ in stream:
+            pass
+        return CompletionResponse(text=stream.answer.text, additional_kwargs=_info(stream.answer))
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        stream = self._start(prompt, kwargs)
+
+        def gen() -> CompletionResponseGen:
+            text = ""
+            for piece in stream:
+                text += piece
+                yield CompletionResponse(text=text, delta=piece)
+            yield CompletionResponse(text=text, delta="", additional_kwargs=_info(stream.answer))
+
+        return gen()
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """Runs in a worker thread: the event loop stays free."""
+        stream = await asyncio.to_thread(self._start, prompt, kwargs)
+        await asyncio.to_thread(lambda: [None for _ in stream])
+        return CompletionResponse(text=stream.answer.text, additional_kwargs=_info(stream.answer))
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        stream = await asyncio.to_thread(self._start, prompt, kwargs)
+        done = object()
+
+        async def gen() -> CompletionResponseAsyncGen:
+            text = ""
+            while (piece := await asyncio.to_thread(next, stream, done)) is not done:
+                text += piece
+                yield CompletionResponse(text=text, delta=piece)
+            yield CompletionResponse(text=text, delta="", additional_kwargs=_info(stream.answer))
+
+        return gen()
+
+
+class CacheClipEmbedding(BaseEmbedding):
+    """The engine's sentence-transformers embedder as a LlamaIndex embedding model."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    _engine: Any = PrivateAttr()
+
+    def __init__(self, engine, **kwargs: Any):
+        super().__init__(model_name=engine.config.embedder, **kwargs)
+        self._engine = engine
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CacheClipEmbedding"
+
+    def _embed(self, texts: list[str]) -> list[list[float]]:
+        return self._engine.index.embedder.encode(texts, normalize_embeddings=True, show_progress_bar=False).tolist()
+
+    def _get_query_embedding(self, query: str) -> list[float]:
+        return self._embed([query])[0]
+
+    def _get_text_embedding(self, text: str) -> list[float]:
+        return self._embed([text])[0]
+
+    def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
+        return self._embed(texts)
+
+    async def _aget_query_embedding(self, query: str) -> list[float]:
+        return await asyncio.to_thread(self._get_query_embedding, query)
+
+
+def chunk_nodes(engine, chunk_ids: list[str] | None = None) -> list[TextNode]:
+    """The engine's chunks as nodes whose id is the chunk id (build an index from these)."""
+    chunks = engine.store.chunks() if chunk_ids is None else [engine.store.get_chunk(c) for c in chunk_ids]
+    return [TextNode(id_=c.id, text=c.text, metadata={"source": c.source}) for c in chunks if c is not None]
+
+
+def ingest_nodes(engine, nodes: list[BaseNode], progress: bool = False) -> list[str]:
+    """Cache a pipeline's own nodes verbatim (their text, without the metadata header)."""
+    docs = [{"text": n.get_content(metadata_mode=MetadataMode.NONE), "source": n.node_id} for n in nodes]
+    return engine.ingest(docs, progress=progress, split=False)
+
+
+class CacheClipQueryEngine(CustomQueryEngine):
+    """Retrieve nodes, then answer with their ids: no recognition needed, order kept."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    retriever: BaseRetriever
+    llm: CacheClipLLM
+
+    def custom_query(self, query_str: str) -> Response:
+        nodes = self.retriever.retrieve(query_str)
+        engine = self.llm.engine
+        ids = [n.node.node_id for n in nodes]
+        unknown = [n.node for n in nodes if engine.store.get_chunk(n.node.node_id) is None]
+        if unknown:  # nodes that are not engine chunks: cache their texts first
+            known = dict(zip([n.node_id for n in unknown], ingest_nodes(engine, unknown)))
+            ids = [known.get(i, i) for i in ids]
+        answer = engine.answer(
+            query_str,
+            chunk_ids=ids,
+            mode=self.llm.mode,
+            recompute_ratio=self.llm.recompute_ratio,
+            max_new_tokens=self.llm.max_new_tokens,
+        )
+        return Response(response=answer.text, source_nodes=nodes, metadata=_info(answer))
