@@ -31,7 +31,7 @@ def test_full_recompute_reproduces_full_prefill(tiny_lm):
     layout, prefix_kv, kvs = _request(tiny_lm)
     cache = assemble(tiny_lm, layout, prefix_kv, kvs)
     rows = torch.arange(layout.prefix_len, layout.num_tokens)
-    logits = recompute_rows(tiny_lm, cache, layout.input_ids, rows)
+    logits = recompute_rows(tiny_lm, cache, layout.input_ids, rows).logits
 
     with torch.inference_mode():
         ref = tiny_lm.model(input_ids=layout.input_ids[None], use_cache=True)
@@ -48,7 +48,7 @@ def test_zero_recompute_reproduces_direct_reuse(tiny_lm):
     question = layout.segments[-1]
     assert rows.tolist() == list(range(question.start, question.end))
     reused = [(k[:, :, : question.start].clone(), v[:, :, : question.start].clone()) for k, v in zip(cache.keys, cache.values)]
-    logits = recompute_rows(tiny_lm, cache, layout.input_ids, rows)
+    logits = recompute_rows(tiny_lm, cache, layout.input_ids, rows).logits
 
     # Direct reuse done by transformers itself: the concatenated caches as past, the question as input.
     past = DynamicCache(reused, config=tiny_lm.config)
@@ -65,7 +65,7 @@ def test_direct_reuse_differs_from_full_prefill(tiny_lm):
     """Guards the two oracles above against passing trivially."""
     layout, prefix_kv, kvs = _request(tiny_lm)
     cache = assemble(tiny_lm, layout, prefix_kv, kvs)
-    logits = recompute_rows(tiny_lm, cache, layout.input_ids, layout.uncached_rows())
+    logits = recompute_rows(tiny_lm, cache, layout.input_ids, layout.uncached_rows()).logits
     with torch.inference_mode():
         ref = tiny_lm.model(input_ids=layout.input_ids[None]).logits[0, -1]
     assert (logits - ref).abs().max() > 1e-2

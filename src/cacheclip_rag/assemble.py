@@ -103,12 +103,35 @@ def rerotate(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Te
     return (k * cos + rotated * sin).to(keys.dtype)
 
 
-def assemble(lm: LoadedModel, layout: Layout, prefix_kv: ChunkKV, chunk_kvs: dict[str, ChunkKV]) -> AssembledCache:
-    """One prefix copy, then each chunk's cache with keys re-rotated to its global position.
+def ape_positions(layout: Layout) -> torch.Tensor:
+    """RoPE positions for APE: every chunk starts right after the prefix (parallel encoding);
+    plain text continues after the longest chunk. Returns [N]."""
+    positions = torch.arange(layout.num_tokens)
+    p = layout.prefix_len
+    frontier = p
+    for seg in layout.segments:
+        n = seg.end - seg.start
+        start = p if seg.cached else frontier
+        positions[seg.start : seg.end] = torch.arange(start, start + n)
+        frontier = max(frontier, start + n)
+    return positions
 
-    Rows of plain-text segments stay zero: they are recomputed before anything reads them.
+
+def assemble(
+    lm: LoadedModel,
+    layout: Layout,
+    prefix_kv: ChunkKV,
+    chunk_kvs: dict[str, ChunkKV],
+    positions: torch.Tensor | None = None,
+    capacity: int | None = None,
+) -> AssembledCache:
+    """One prefix copy, then each chunk's cache with keys re-rotated to its position.
+
+    positions: [N] RoPE position per sequence index (default: the index). capacity: rows to
+    allocate (>= N; room for decoding). Rows of plain-text segments stay zero: they are
+    recomputed before anything reads them.
     """
-    cache = AssembledCache.empty(lm, layout.num_tokens)
+    cache = AssembledCache.empty(lm, max(capacity or 0, layout.num_tokens))
     p = layout.prefix_len
     assert prefix_kv.num_tokens == p, f"prefix cache has {prefix_kv.num_tokens} tokens, layout {p}"
     inv_freq = decoder(lm).rotary_emb.inv_freq
@@ -118,7 +141,8 @@ def assemble(lm: LoadedModel, layout: Layout, prefix_kv: ChunkKV, chunk_kvs: dic
     for seg in layout.chunk_segments():
         kv = chunk_kvs[seg.chunk_id]
         assert torch.equal(kv.token_ids, seg.ids), f"cache of {seg.chunk_id} holds other tokens"
-        delta = seg.start - kv.start_pos
+        target = seg.start if positions is None else int(positions[seg.start])
+        delta = target - kv.start_pos
         for layer in range(lm.num_layers):
             cache.keys[layer][0, :, seg.start : seg.end] = rerotate(kv.keys[layer], delta, inv_freq)
             cache.values[layer][0, :, seg.start : seg.end] = kv.values[layer]

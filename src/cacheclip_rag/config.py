@@ -11,8 +11,14 @@ from typing import Any
 
 import torch
 
-MODES = ("full", "reuse", "cacheclip")
-"""Ways of building the KV cache for a request; all run on the identical token sequence."""
+MODES = ("full", "reuse", "ape", "cacheblend", "epic", "random", "cacheclip")
+"""Ways of building the KV cache for a request; all run on the identical token sequence.
+
+full: ordinary prefill. reuse: chunk caches concatenated with one shared prefix. ape: chunks at
+parallel positions with APE's attention temperature and scale. cacheblend: recompute the first
+layer for all chunk tokens, keep those whose K/V deviates most at the check layer. epic: the
+first tokens of every chunk. random: a uniform random selection. cacheclip: aux-guided selection.
+"""
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -83,6 +89,27 @@ class PromptConfig:
 
 
 @dataclass(frozen=True)
+class BaselineConfig:
+    """Settings of the baseline modes (the papers' defaults)."""
+
+    ape_temperature: float = 0.9
+    ape_scale: float = 0.9
+    cacheblend_check_layer: int = 1
+    """CacheBlend's deviation is zero at layer 0 (K/V depend on token and position only)."""
+    cacheblend_on: str = "k"
+
+    def __post_init__(self) -> None:
+        for name in ("ape_temperature", "ape_scale"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0.0 < value <= 10.0:
+                raise ValueError(f"{name} must be a number in (0, 10], got {value!r}")
+        if not isinstance(self.cacheblend_check_layer, int) or self.cacheblend_check_layer < 1:
+            raise ValueError(f"cacheblend_check_layer must be an integer >= 1, got {self.cacheblend_check_layer!r}")
+        if self.cacheblend_on not in ("k", "v"):
+            raise ValueError(f"cacheblend_on must be 'k' or 'v', got {self.cacheblend_on!r}")
+
+
+@dataclass(frozen=True)
 class StoreConfig:
     """The KV store: memory tier size (bytes) in front of the safetensors files."""
 
@@ -120,6 +147,7 @@ class EngineConfig:
     prompt: PromptConfig = field(default_factory=PromptConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    baselines: BaselineConfig = field(default_factory=BaselineConfig)
     top_k: int = 4
     """Chunks retrieved per question when the caller gives no chunk ids."""
     embedder: str = "all-minilm-l6-v2"
@@ -154,6 +182,7 @@ _SECTIONS = {
     "prompt": PromptConfig,
     "store": StoreConfig,
     "model": ModelConfig,
+    "baselines": BaselineConfig,
 }
 
 

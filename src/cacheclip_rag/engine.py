@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -19,15 +20,15 @@ import torch
 from tqdm.auto import tqdm
 
 from . import models as model_lib
-from .assemble import Layout, assemble, build_layout
+from .assemble import Layout, ape_positions, assemble, build_layout
 from .chunking import Chunk, chunk_id, split_document
 from .config import EngineConfig, check_mode, check_ratio
 from .encode import Template, chat_template, encode_prefix, encode_segment, tokenize
-from .generate import DecodeOptions, decode, to_dynamic_cache
+from .generate import DecodeOptions, Step, decode, hf_step
 from .index import ChunkIndex
 from .models import LoadedModel
 from .recognize import ChunkMatcher
-from .recompute import recompute_rows
+from .recompute import ApeSpec, BlendSpec, recompute_rows
 from .select import map_tokens, select
 from .store import ChunkKV, KVStore
 
@@ -108,6 +109,8 @@ class _Request:
     pieces: list[tuple[str, str | None]]
     aux_query: str
     options: DecodeOptions
+    epic_tokens: int | None = None
+    seed: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     layout: Layout | None = None
     rows: torch.Tensor | None = None
@@ -233,8 +236,9 @@ class CacheClipEngine:
     def answer(self, question: str, chunk_ids: list[str] | None = None, **kwargs) -> Answer:
         """Answer a question from the given chunks (their order kept) or the top-k retrieved.
 
-        kwargs: k, mode ("full" | "reuse" | "cacheclip"), recompute_ratio (in [0, 1]),
-        max_new_tokens, temperature, stop.
+        kwargs: k; mode (see cacheclip_rag.config.MODES); recompute_ratio in [0, 1]; max_new_tokens;
+        temperature (0 = greedy); stop strings; epic_tokens (epic mode: tokens per chunk, default
+        ceil(ratio x chunk length)); seed (sampling and the random mode).
         """
         return self._finish(*self._collect(self._question_request(question, chunk_ids, **kwargs)))
 
@@ -278,10 +282,15 @@ class CacheClipEngine:
 
     # ----- request building -----------------------------------------------------------------
 
-    def _request(self, mode, recompute_ratio, max_new_tokens, temperature, stop) -> tuple:
+    def _request(self, mode, recompute_ratio, max_new_tokens, temperature, stop, epic_tokens, seed) -> dict:
+        """Validate the per-request options shared by every entry point."""
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        opts = DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, stop=stop)
-        return check_mode(mode), check_ratio(recompute_ratio), opts
+        opts = DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, stop=stop, seed=seed)
+        if epic_tokens is not None and (not isinstance(epic_tokens, int) or isinstance(epic_tokens, bool) or epic_tokens < 0):
+            raise ValueError(f"epic_tokens must be a non-negative integer or None, got {epic_tokens!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        return dict(mode=check_mode(mode), ratio=check_ratio(recompute_ratio), options=opts, epic_tokens=epic_tokens, seed=seed)
 
     def _question_request(
         self,
@@ -294,10 +303,12 @@ class CacheClipEngine:
         max_new_tokens: int = 64,
         temperature: float = 0.0,
         stop: str | list[str] | None = None,
+        epic_tokens: int | None = None,
+        seed: int = 0,
     ) -> _Request:
         if not isinstance(question, str) or not question.strip():
             raise ValueError(f"question must be a non-empty string, got {question!r}")
-        mode, ratio, opts = self._request(mode, recompute_ratio, max_new_tokens, temperature, stop)
+        common = self._request(mode, recompute_ratio, max_new_tokens, temperature, stop, epic_tokens, seed)
         if chunk_ids is None:
             chunk_ids = [cid for cid, _ in self.retrieve(question, k)]
         chunk_ids = self._check_ids(chunk_ids)
@@ -309,7 +320,7 @@ class CacheClipEngine:
             pieces.append((text, cid))
         query = self.config.prompt.question_template.format(question=question)
         pieces.append((query, None))
-        return _Request(mode, ratio, chunk_ids, pieces, query, opts)
+        return _Request(chunk_ids=chunk_ids, pieces=pieces, aux_query=query, **common)
 
     def _prompt_request(
         self,
@@ -321,10 +332,12 @@ class CacheClipEngine:
         max_new_tokens: int = 64,
         temperature: float = 0.0,
         stop: str | list[str] | None = None,
+        epic_tokens: int | None = None,
+        seed: int = 0,
     ) -> _Request:
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
-        mode, ratio, opts = self._request(mode, recompute_ratio, max_new_tokens, temperature, stop)
+        common = self._request(mode, recompute_ratio, max_new_tokens, temperature, stop, epic_tokens, seed)
         only = set(self._check_ids(chunk_ids)) if chunk_ids is not None else None
         found = self.matcher.find(prompt, only)
         if chunk_ids is not None:
@@ -343,7 +356,8 @@ class CacheClipEngine:
             tail = tail or "\n"
         pieces.append((tail, None))
         uncached = "".join(text for text, cid in pieces if cid is None)
-        return _Request(mode, ratio, [cid for _, _, cid in found], pieces, tail if tail.strip() else uncached, opts)
+        aux_query = tail if tail.strip() else uncached
+        return _Request(chunk_ids=[cid for _, _, cid in found], pieces=pieces, aux_query=aux_query, **common)
 
     def _check_ids(self, chunk_ids) -> list[str]:
         if isinstance(chunk_ids, str) or not isinstance(chunk_ids, (list, tuple)):
@@ -388,51 +402,95 @@ class CacheClipEngine:
             t = time.perf_counter()
             with torch.inference_mode():
                 out = frame.lm.model(input_ids=layout.input_ids[None].to(frame.lm.device), use_cache=True, logits_to_keep=1)
-            cache, logits = out.cache, out.logits[0, -1].float()
+            logits = out.logits[0, -1].float()
+            step = hf_step(frame.lm, out.cache, layout.num_tokens)
             timings["recompute"] = time.perf_counter() - t
             request.rows = torch.arange(layout.prefix_len, layout.num_tokens)
         else:
-            rows, cache, logits = self._reuse(frame, layout, request)
-            request.rows = rows
-            cache = to_dynamic_cache(frame.lm, cache)
+            logits, step = self._reuse(frame, layout, request)
         timings["ttft"] = time.perf_counter() - t0
         t = time.perf_counter()
         pieces = []
-        for _, piece in decode(frame.lm, cache, logits, layout.num_tokens, request.options):
-            request.generated += 1
-            pieces.append(piece)
-            yield piece
+        with torch.inference_mode():
+            for _, piece in decode(frame.lm, step, logits, request.options):
+                request.generated += 1
+                pieces.append(piece)
+                yield piece
         request.text = "".join(pieces)
         timings["decode"] = time.perf_counter() - t
         timings["total"] = time.perf_counter() - t0
 
     def _reuse(self, frame: _Model, layout: Layout, request: _Request):
-        """Assemble the chunk caches and recompute the uncached rows plus the selected ones."""
+        """Assemble the chunk caches, recompute the rows the mode picks; return (logits, decode step)."""
         timings = request.timings
         t = time.perf_counter()
-        chunk_segments = layout.chunk_segments()
-        kvs = {seg.chunk_id: self._chunk_kv(frame, seg.chunk_id, seg.text) for seg in chunk_segments}
+        kvs = {seg.chunk_id: self._chunk_kv(frame, seg.chunk_id, seg.text) for seg in layout.chunk_segments()}
         prefix_kv = self._prefix_kv(frame)
         timings["load"] = time.perf_counter() - t
 
-        selected = torch.empty(0, dtype=torch.long)
-        if request.mode == "cacheclip" and chunk_segments and request.ratio > 0:
-            t = time.perf_counter()
-            if request.ratio >= 1.0:
-                selected = layout.chunk_rows()
-            else:
-                selected = self._select(layout, kvs, request)
-            timings["selection"] = time.perf_counter() - t
+        t = time.perf_counter()
+        selected, blend, ape = self._mode_plan(layout, kvs, request)
+        timings["selection"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        cache = assemble(frame.lm, layout, prefix_kv, kvs)
+        positions = ape_positions(layout) if ape is not None else torch.arange(layout.num_tokens)
+        capacity = layout.num_tokens + request.options.max_new_tokens
+        cache = assemble(frame.lm, layout, prefix_kv, kvs, positions, capacity)
         timings["assemble"] = time.perf_counter() - t
 
         t = time.perf_counter()
         rows = torch.unique(torch.cat([layout.uncached_rows(), selected]))  # sorted
-        logits = recompute_rows(frame.lm, cache, layout.input_ids, rows, self.config.attention_backend)
+        backend = self.config.attention_backend
+        result = recompute_rows(frame.lm, cache, layout.input_ids, rows, positions=positions, backend=backend, ape=ape, blend=blend)
+        request.rows = result.rows
         timings["recompute"] = time.perf_counter() - t
-        return rows, cache, logits
+        return result.logits, self._own_step(frame, cache, layout, positions, ape)
+
+    def _mode_plan(self, layout: Layout, kvs: dict[str, ChunkKV], request: _Request):
+        """What the mode recomputes besides the plain-text rows: (selected rows, blend spec, APE spec)."""
+        selected = torch.empty(0, dtype=torch.long)
+        chunk_rows = layout.chunk_rows()
+        mode, ratio = request.mode, request.ratio
+        base = self.config.baselines
+        if mode == "ape":
+            context = torch.zeros(layout.num_tokens + request.options.max_new_tokens, dtype=torch.bool)
+            context[chunk_rows] = True
+            return selected, None, ApeSpec(context, base.ape_temperature, base.ape_scale)
+        if mode == "reuse" or chunk_rows.numel() == 0 or ratio <= 0:
+            return selected, None, None
+        if mode == "cacheblend":
+            candidates = torch.zeros(layout.num_tokens, dtype=torch.bool)
+            candidates[chunk_rows] = True
+            spec = BlendSpec(candidates, ratio, base.cacheblend_check_layer, base.cacheblend_on)
+            return chunk_rows, spec, None
+        if ratio >= 1.0:
+            return chunk_rows, None, None
+        if mode == "epic":
+            parts = []
+            for seg in layout.chunk_segments():
+                n = request.epic_tokens if request.epic_tokens is not None else math.ceil(ratio * (seg.end - seg.start))
+                parts.append(torch.arange(seg.start, min(seg.end, seg.start + n)))
+            return torch.cat(parts), None, None
+        if mode == "random":
+            gen = torch.Generator().manual_seed(request.seed)
+            k = round(ratio * chunk_rows.numel())
+            return chunk_rows[torch.randperm(chunk_rows.numel(), generator=gen)[:k]], None, None
+        return self._select(layout, kvs, request), None, None
+
+    def _own_step(self, frame: _Model, cache, layout: Layout, positions: torch.Tensor, ape) -> Step:
+        """Decode through the same layer loop as recompute, into the preallocated cache rows."""
+        n = layout.num_tokens
+        extra = cache.num_tokens - n
+        ids = torch.cat([layout.input_ids, torch.zeros(extra, dtype=torch.long)])
+        pos = torch.cat([positions, positions[-1] + 1 + torch.arange(extra)])
+        backend = self.config.attention_backend
+
+        def step(token: int, t: int) -> torch.Tensor:
+            ids[n + t] = token
+            row = torch.tensor([n + t])
+            return recompute_rows(frame.lm, cache, ids, row, positions=pos, backend=backend, ape=ape).logits
+
+        return step
 
     def _select(self, layout: Layout, primary_kvs: dict[str, ChunkKV], request: _Request) -> torch.Tensor:
         """CacheClip: aux scores -> candidates -> grouping -> primary positions [S]."""

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
 from .models import LoadedModel
-from .recompute import AssembledCache
 
 
 @dataclass(frozen=True)
@@ -40,8 +39,20 @@ def stop_token_ids(lm: LoadedModel) -> set[int]:
     return ids
 
 
-def to_dynamic_cache(lm: LoadedModel, cache: AssembledCache) -> DynamicCache:
-    return DynamicCache(list(zip(cache.keys, cache.values)), config=lm.config)
+Step = Callable[[int, int], torch.Tensor]
+"""step(token, t) feeds the t-th generated token and returns the logits [vocab] for the next."""
+
+
+def hf_step(lm: LoadedModel, cache: DynamicCache, next_pos: int) -> Step:
+    """Decode with transformers' own forward over a DynamicCache holding positions [0, next_pos)."""
+
+    def step(token: int, t: int) -> torch.Tensor:
+        pos = torch.tensor([[next_pos + t]], device=lm.device)
+        ids = torch.tensor([[token]], device=lm.device)
+        out = lm.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True)
+        return out.logits[0, -1]
+
+    return step
 
 
 def _pick(logits: torch.Tensor, opts: DecodeOptions, gen: torch.Generator) -> int:
@@ -52,12 +63,10 @@ def _pick(logits: torch.Tensor, opts: DecodeOptions, gen: torch.Generator) -> in
 
 
 @torch.inference_mode()
-def decode(
-    lm: LoadedModel, cache: DynamicCache, first_logits: torch.Tensor, next_pos: int, opts: DecodeOptions
-) -> Iterator[tuple[int, str]]:
+def decode(lm: LoadedModel, step: Step, first_logits: torch.Tensor, opts: DecodeOptions) -> Iterator[tuple[int, str]]:
     """Yield (token id, new text) per generated token until a stop token, stop string or the limit.
 
-    cache holds positions [0, next_pos); first_logits [vocab] predict the token at next_pos.
+    first_logits [vocab] predict the first new token; step feeds each token and gives the next logits.
     Text is released only once it can no longer change (incomplete UTF-8 is held back) and
     never past a stop string.
     """
@@ -66,7 +75,7 @@ def decode(
     ids: list[int] = []
     emitted = ""
     logits = first_logits
-    for step in range(opts.max_new_tokens):
+    for i in range(opts.max_new_tokens):
         token = _pick(logits, opts, gen)
         if token in stops:
             break
@@ -83,11 +92,9 @@ def decode(
         if len(ready) > len(emitted) and ready.startswith(emitted):
             yield token, ready[len(emitted) :]
             emitted = ready
-        if step + 1 == opts.max_new_tokens:
+        if i + 1 == opts.max_new_tokens:
             break
-        pos = torch.tensor([[next_pos + step]], device=lm.device)
-        out = lm.model(input_ids=torch.tensor([[token]], device=lm.device), position_ids=pos, cache=cache, use_cache=True)
-        logits = out.logits[0, -1]
+        logits = step(token, i)
     text = lm.tokenizer.decode(ids, skip_special_tokens=True)  # flush what was held back
     if len(text) > len(emitted) and text.startswith(emitted):
         yield -1, text[len(emitted) :]

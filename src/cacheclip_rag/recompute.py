@@ -12,9 +12,11 @@ weights and numerics are transformers' own; only the attention call is ours, beh
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -97,28 +99,105 @@ def attend(
     return sparse_query_attention_ref(q, k, v, q_pos, scale=scale)
 
 
+@dataclass(frozen=True)
+class ApeSpec:
+    """APE's calibration: context keys get logits / temperature and weight x scale.
+
+    context: [N] bool, True for chunk tokens (the parallel-encoded context).
+    """
+
+    context: torch.Tensor
+    temperature: float = 0.9
+    scale: float = 0.9
+
+
+@dataclass(frozen=True)
+class BlendSpec:
+    """CacheBlend's selection, made inside the layer loop.
+
+    Every row is recomputed up to `check_layer`; there the rows among `candidates` ([N] bool)
+    whose new K (or V) deviates most from the cached one are kept (round(ratio x candidates)),
+    with every non-candidate row; only those continue to the later layers.
+    """
+
+    candidates: torch.Tensor
+    ratio: float
+    check_layer: int = 1
+    on: str = "k"
+
+
+@dataclass
+class RecomputeResult:
+    """logits: [vocab] for the token after the last row; rows: [M] the rows recomputed at the last layer."""
+
+    logits: torch.Tensor
+    rows: torch.Tensor
+
+
+def attend_ape(q, k, v, q_idx, scale: float, ape: ApeSpec) -> torch.Tensor:
+    """Causal-by-index attention where context keys have logits / T and weight x S (torch path)."""
+    n = k.shape[2]
+    ctx = ape.context[:n].to(k.device)
+    k = torch.where(ctx[None, None, :, None], k / ape.temperature, k)
+    visible = torch.arange(n, device=k.device)[None, :] <= q_idx[0][:, None]  # [M, N]
+    bias = torch.where(ctx[None, :], torch.tensor(math.log(ape.scale)), torch.tensor(0.0))
+    bias = torch.where(visible, bias, torch.tensor(float("-inf"))).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _blend_keep(spec: BlendSpec, rows, k_new, v_new, k_old, v_old) -> torch.Tensor:
+    """Indices (into rows) kept by CacheBlend at its check layer."""
+    new, old = (k_new, k_old) if spec.on == "k" else (v_new, v_old)
+    deviation = (new.float() - old.float()).pow(2).sum(dim=(0, 1, 3))  # [M]
+    is_candidate = spec.candidates.to(rows.device)[rows]
+    n_keep = round(spec.ratio * int(is_candidate.sum()))
+    deviation = torch.where(is_candidate, deviation, torch.tensor(float("-inf")))
+    chosen = torch.topk(deviation, n_keep).indices if n_keep else torch.empty(0, dtype=torch.long)
+    keep = ~is_candidate
+    keep[chosen] = True
+    return torch.nonzero(keep).flatten()
+
+
 @torch.inference_mode()
 def recompute_rows(
-    lm: LoadedModel, cache: AssembledCache, input_ids: torch.Tensor, rows: torch.Tensor, backend: str = "auto"
-) -> torch.Tensor:
+    lm: LoadedModel,
+    cache: AssembledCache,
+    input_ids: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    positions: torch.Tensor | None = None,
+    backend: str = "auto",
+    ape: ApeSpec | None = None,
+    blend: BlendSpec | None = None,
+) -> RecomputeResult:
     """Recompute `rows` of the request in place in `cache`; return the last row's logits.
 
-    input_ids: [N] the request's tokens. rows: [M] sorted unique positions; must end at N - 1
-    (the question is never cached). Returns logits [vocab] for the token after position N - 1.
+    input_ids: [>= rows[-1] + 1] the request's tokens by sequence index. rows: [M] sorted unique
+    sequence indices; the last one is the row whose next token is predicted. Each row attends
+    causally by sequence index. positions: [>= rows[-1] + 1] RoPE position of each index
+    (default: the index itself; APE's parallel chunks share positions).
     """
-    n = cache.num_tokens
-    assert input_ids.shape == (n,), f"input_ids {tuple(input_ids.shape)} vs cache of {n} tokens"
-    assert rows.numel() > 0 and int(rows[-1]) == n - 1, "the last position must be recomputed"
+    assert rows.numel() > 0, "nothing to recompute"
+    last_row = int(rows[-1])
+    assert last_row < cache.num_tokens and input_ids.numel() > last_row
     base = decoder(lm)
     rows = rows.to(lm.device)
-    pos = rows[None]  # [1, M]
+    rope_pos = (rows if positions is None else positions.to(lm.device)[rows])[None]  # [1, M]
     h = base.embed_tokens(input_ids.to(lm.device)[rows])[None]  # [1, M, hidden]
-    cos, sin = rope(lm, h, pos)
+    cos, sin = rope(lm, h, rope_pos)
     for layer_idx, layer in enumerate(base.layers):
+        keys, values = cache.keys[layer_idx], cache.values[layer_idx]
         q, k, v = layer_qkv(layer, h, cos, sin)
-        cache.keys[layer_idx][:, :, rows] = k
-        cache.values[layer_idx][:, :, rows] = v
-        out = attend(q, cache.keys[layer_idx], cache.values[layer_idx], pos, layer.self_attn.scaling, backend)
+        if blend is not None and layer_idx == blend.check_layer:
+            keep = _blend_keep(blend, rows, k, v, keys[:, :, rows], values[:, :, rows])
+            rows, h, q, k, v = rows[keep], h[:, keep], q[:, :, keep], k[:, :, keep], v[:, :, keep]
+            cos, sin = cos[:, keep], sin[:, keep]
+        keys[:, :, rows] = k
+        values[:, :, rows] = v
+        if ape is not None:
+            out = attend_ape(q, keys, values, rows[None], layer.self_attn.scaling, ape)
+        else:
+            out = attend(q, keys, values, rows[None], layer.self_attn.scaling, backend)
         h = layer_finish(layer, h, out)
     last = base.norm(h[:, -1:])
-    return lm.model.lm_head(last)[0, -1].float()
+    return RecomputeResult(lm.model.lm_head(last)[0, -1].float(), rows.cpu())
