@@ -1,4 +1,4 @@
-"""The `cacheclip` command: ingest, ask, demo, bench."""
+"""The `cacheclip` command: ingest, ask, demo, bench, eval, models."""
 
 from __future__ import annotations
 
@@ -69,7 +69,16 @@ def cmd_ask(args) -> int:
     engine = _engine(args)
     kwargs = dict(k=args.k, mode=args.mode, recompute_ratio=args.ratio, max_new_tokens=args.max_new_tokens)
     ids = args.chunk_ids.split(",") if args.chunk_ids else None
-    answer = engine.answer(args.question, chunk_ids=ids, **kwargs)
+    stream = engine.stream(args.question, chunk_ids=ids, **kwargs)
+    for _ in stream:
+        pass
+    answer = stream.answer
+    if args.show_selection:
+        from .eval import html
+
+        if answer.mode != "cacheclip":
+            raise ValueError(f"--show-selection shows CacheClip's selection; use --mode cacheclip, not {answer.mode!r}")
+        html.write(args.show_selection, args.question, answer, stream.trace)
     result = {
         "answer": answer.text,
         "chunk_ids": answer.chunk_ids,
@@ -124,17 +133,69 @@ def cmd_models(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    from .eval import ttft
+def _mode_list(modes: list[str], ratios: list[float]) -> list[tuple[str, float]]:
+    out = []
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+        if mode in ("full", "reuse", "ape"):
+            out.append((mode, 1.0 if mode == "full" else 0.0))
+        else:
+            out.extend((mode, r) for r in ratios)
+    return out
 
-    if args.what != "ttft":
-        raise ValueError(f"unknown benchmark {args.what!r}; available: ttft")
+
+def cmd_bench(args) -> int:
+    if args.what == "alignment":
+        from .eval import alignment
+        from .models import load
+
+        rows = alignment.run(load(args.primary), load(args.aux), args.lengths, samples=args.samples, seed=args.seed + 10_000)
+        print(alignment.table(rows))
+        if args.json:
+            alignment.write_json(rows, args.json)
+        return 0
     engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
-    modes = [("full", 1.0), ("reuse", 0.0)] + [("cacheclip", r) for r in args.ratios]
-    rows = ttft.run(engine, args.lengths, modes, runs=args.runs, max_new_tokens=args.max_new_tokens)
-    print(ttft.table(rows))
+    if args.what == "ttft":
+        from .eval import ttft
+
+        rows = ttft.run(engine, args.lengths, _mode_list(args.modes or ["full", "reuse", "cacheclip"], args.ratios),
+                        runs=args.runs, max_new_tokens=args.max_new_tokens)
+        print(ttft.table(rows))
+        if args.json:
+            ttft.write_json(rows, args.json)
+        return 0
+    from .eval import needle
+
+    modes = _mode_list(args.modes or ["full", "reuse", "ape", "cacheblend", "epic", "random", "cacheclip"], args.ratios)
+    results = needle.run(engine, modes, variants=args.variants, lengths=args.lengths, samples=args.samples,
+                         seed=args.seed, max_new_tokens=args.max_new_tokens, progress=lambda m: log.info(m))
+    rows = needle.summarize(results)
+    print(needle.table(rows))
     if args.json:
-        ttft.write_json(rows, args.json)
+        needle.write_json(results, rows, args.json)
+    if args.plot:
+        from .eval import plots
+
+        stem = Path(args.plot)
+        plots.quality_vs_ratio(rows, stem.with_name(stem.stem + "-quality.png"))
+        plots.ttft_breakdown(rows, stem.with_name(stem.stem + "-ttft.png"))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .eval import qa
+
+    examples = qa.load_dataset(args.dataset)
+    if args.limit:
+        examples = examples[: args.limit]
+    engine = _engine(args)
+    modes = _mode_list(args.modes or ["full", "reuse", "ape", "cacheblend", "random", "cacheclip"], args.ratios)
+    results = qa.run(engine, examples, modes, max_new_tokens=args.max_new_tokens)
+    rows = qa.summarize(results)
+    print(qa.table(rows))
+    if args.json:
+        qa.write_json(results, rows, args.json)
     return 0
 
 
@@ -166,6 +227,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-ids", default=None, help="comma-separated chunk ids (bypasses retrieval)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--compare-full", action="store_true", help="also run full mode and report its TTFT")
+    p.add_argument("--show-selection", default=None, metavar="HTML", help="write the context with recomputed tokens and aux scores")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ask)
 
@@ -179,16 +241,31 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_models)
 
-    p = sub.add_parser("bench", help="benchmarks: ttft")
+    p = sub.add_parser("bench", help="benchmarks: niah (needle suite), ttft, alignment")
     _common(p, store_default=str(cache_dir() / "bench-store"))
-    p.add_argument("what", choices=["ttft"])
-    p.add_argument("--lengths", type=int, nargs="+", default=[2048])
-    p.add_argument("--ratios", type=float, nargs="+", default=[0.2])
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("what", choices=["niah", "ttft", "alignment"])
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048], help="context lengths in primary tokens")
+    p.add_argument("--modes", nargs="+", default=None, help=f"modes to compare (from {list(MODES)}); full is always run")
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.2], help="recompute ratios for ratio modes")
+    p.add_argument("--variants", nargs="+", default=None, help="needle variants (default: all eight)")
+    p.add_argument("--samples", type=int, default=5, help="samples per variant and length")
+    p.add_argument("--runs", type=int, default=5, help="ttft: runs per mode")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk-tokens", type=int, default=256)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--json", default=None, help="write rows as JSON here")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--json", default=None, help="write results as JSON here")
+    p.add_argument("--plot", default=None, help="niah: write PNGs next to this path (-quality.png, -ttft.png)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("eval", help="QA from a JSON Lines file: every mode on the same examples")
+    _common(p, store_default=str(cache_dir() / "eval-store"))
+    p.add_argument("--dataset", default=str(resources.files("cacheclip_rag") / "data" / "qa_invented.jsonl"))
+    p.add_argument("--modes", nargs="+", default=None)
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.2])
+    p.add_argument("--limit", type=int, default=None, help="first N examples only")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=cmd_eval)
     return ap
 
 

@@ -75,6 +75,11 @@ class AnswerStream:
         self._iter = engine._run(request)
         self.answer: Answer | None = None
 
+    @property
+    def trace(self) -> list[dict]:
+        """CacheClip mode: per chunk, the aux scores and what was recomputed (after iterating)."""
+        return self._request.trace
+
     def __iter__(self) -> AnswerStream:
         return self
 
@@ -111,6 +116,8 @@ class _Request:
     options: DecodeOptions
     epic_tokens: int | None = None
     seed: int = 0
+    trace: list[dict] = field(default_factory=list)
+    """CacheClip's per-chunk selection (aux scores, kept tokens, recomputed primary tokens)."""
     timings: dict[str, float] = field(default_factory=dict)
     layout: Layout | None = None
     rows: torch.Tensor | None = None
@@ -505,6 +512,10 @@ class CacheClipEngine:
             primary_kv = primary_kvs[seg.chunk_id]
             mask = map_tokens(aux_kv.offsets, pick.kept, primary_kv.offsets, len(seg.text))
             rows.append(seg.start + torch.nonzero(mask).flatten())
+            request.trace.append(dict(
+                chunk_id=seg.chunk_id, text=seg.text, aux_offsets=aux_kv.offsets, aux_scores=pick.scores,
+                aux_candidates=pick.candidates, aux_kept=pick.kept, primary_offsets=primary_kv.offsets, recomputed=mask,
+            ))
         return torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
 
     def _check_aux_length(self, aux_kvs: list[ChunkKV], query_ids: torch.Tensor) -> None:

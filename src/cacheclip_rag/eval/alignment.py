@@ -1,0 +1,123 @@
+"""`cacheclip bench alignment`: do the aux model's last-layer attention peaks match the primary's?
+
+Reproduces the paper's Table 2 for any model pair. For each multi-document input (context +
+question, the same text for both models), the head-averaged attention of the last token is
+taken at the aux model's last layer and at the primary model's first and last layers, projected
+into character space (each token's weight spread evenly over its characters, context characters
+only), and compared by the Jaccard index of the top-20% character positions and by KL divergence.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..models import LoadedModel
+from ..recompute import decoder, layer_qkv, rope
+from .niah import generate
+
+
+@dataclass
+class AlignmentRow:
+    length: int
+    samples: int
+    jaccard_aux_last: float
+    jaccard_pri_first: float
+    kl_aux_last: float
+    kl_pri_first: float
+
+
+@torch.inference_mode()
+def last_token_attention(lm: LoadedModel, text: str, layers: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """Head-averaged attention [T] of the last token at each layer, and token offsets [T, 2]."""
+    enc = lm.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = torch.tensor(enc["input_ids"])[None]
+    offsets = torch.tensor(enc["offset_mapping"]).reshape(-1, 2)
+    base = decoder(lm)
+    wanted = {layer % lm.num_layers for layer in layers}
+    captured: dict[int, torch.Tensor] = {}
+    hooks = [
+        base.layers[i].register_forward_pre_hook(
+            lambda mod, args, kwargs, i=i: captured.__setitem__(i, (kwargs.get("hidden_states", args[0] if args else None))[:, -1:].clone()),
+            with_kwargs=True,
+        )
+        for i in wanted
+    ]
+    try:
+        out = base(input_ids=ids, use_cache=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    n = ids.shape[1]
+    result = {}
+    for layer in layers:
+        i = layer % lm.num_layers
+        h_last = captured[i]
+        cos, sin = rope(lm, h_last, torch.tensor([[n - 1]]))
+        q, _, _ = layer_qkv(base.layers[i], h_last, cos, sin)
+        keys = out.cache.layers[i].keys  # [1, H_kv, T, D]
+        keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+        logits = torch.matmul(q.float(), keys.float().transpose(-1, -2))[0, :, 0] * base.layers[i].self_attn.scaling
+        result[layer] = logits.softmax(dim=-1).mean(dim=0)  # [T]
+    return result, offsets
+
+
+def to_chars(weights: torch.Tensor, offsets: torch.Tensor, n_chars: int) -> torch.Tensor:
+    """Spread each token's weight evenly over its characters; characters beyond n_chars are cut."""
+    chars = torch.zeros(n_chars, dtype=torch.float64)
+    for w, (s, e) in zip(weights.tolist(), offsets.tolist()):
+        s, e = min(s, n_chars), min(e, n_chars)
+        if e > s:
+            chars[s:e] += w / (e - s)
+    return chars
+
+
+def top_jaccard(a: torch.Tensor, b: torch.Tensor, frac: float = 0.2) -> float:
+    k = max(1, int(frac * a.numel()))
+    sa = set(torch.argsort(a, descending=True, stable=True)[:k].tolist())
+    sb = set(torch.argsort(b, descending=True, stable=True)[:k].tolist())
+    return len(sa & sb) / len(sa | sb)
+
+
+def kl(p: torch.Tensor, q: torch.Tensor, eps: float = 1e-12) -> float:
+    p = p / p.sum() if p.sum() > 0 else p
+    q = q / q.sum() if q.sum() > 0 else q
+    return float((p * ((p + eps) / (q + eps)).log()).sum())
+
+
+def run(primary: LoadedModel, aux: LoadedModel, lengths: list[int], samples: int = 5, seed: int = 500) -> list[AlignmentRow]:
+    rows = []
+    for length in lengths:
+        j_aux, j_first, kl_aux, kl_first = [], [], [], []
+        for i in range(samples):
+            sample = generate("multikey_1", length, seed + i, primary.tokenizer)
+            text = sample.context + "\n\nQuestion: " + sample.question + "\nAnswer:"
+            n_ctx = len(sample.context)
+            pri, pri_off = last_token_attention(primary, text, [0, -1])
+            aux_att, aux_off = last_token_attention(aux, text, [-1])
+            pri_last = to_chars(pri[-1], pri_off, n_ctx)
+            pri_first = to_chars(pri[0], pri_off, n_ctx)
+            aux_last = to_chars(aux_att[-1], aux_off, n_ctx)
+            j_aux.append(top_jaccard(aux_last, pri_last))
+            j_first.append(top_jaccard(pri_first, pri_last))
+            kl_aux.append(kl(aux_last, pri_last))
+            kl_first.append(kl(pri_first, pri_last))
+        rows.append(AlignmentRow(length, samples, statistics.mean(j_aux), statistics.mean(j_first),
+                                 statistics.mean(kl_aux), statistics.mean(kl_first)))
+    return rows
+
+
+def table(rows: list[AlignmentRow]) -> str:
+    head = f"{'len':>6} {'n':>3} {'J(aux_last,pri_last)':>21} {'J(pri_first,pri_last)':>22} {'KL(aux_last||pri_last)':>23} {'KL(pri_first||pri_last)':>24}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.length:>6} {r.samples:>3} {r.jaccard_aux_last:>21.3f} {r.jaccard_pri_first:>22.3f} {r.kl_aux_last:>23.3f} {r.kl_pri_first:>24.3f}")
+    return "\n".join(lines)
+
+
+def write_json(rows: list[AlignmentRow], path: str | Path) -> None:
+    Path(path).write_text(json.dumps([asdict(r) for r in rows], indent=2))

@@ -1,0 +1,139 @@
+"""`cacheclip bench niah`: every mode on the same needle samples, side by side.
+
+Each sample's context is chunked and ingested like any corpus (caches built before timing);
+every (mode, ratio) then answers the sample's question on the same chunk ids. The table shows
+the mean score per variant (x100), the average, the percentage of full attention's average, the
+effective recomputed fraction and TTFT relative to full on the same samples; per-sample rows go
+to JSON for win/loss counts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..engine import CacheClipEngine
+from .niah import VARIANTS, generate, score
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NeedleResult:
+    length: int
+    variant: str
+    seed: int
+    mode: str
+    ratio: float
+    score: float
+    answer: str
+    ttft: float
+    ttft_vs_full: float
+    selection: float
+    load: float
+    assemble: float
+    recompute: float
+    effective_fraction: float
+    prompt_tokens: int
+
+
+def run(
+    engine: CacheClipEngine,
+    modes: list[tuple[str, float]],
+    variants: list[str] | None = None,
+    lengths: list[int] = (2048,),
+    samples: int = 5,
+    seed: int = 0,
+    max_new_tokens: int = 64,
+    progress=None,
+) -> list[NeedleResult]:
+    """modes: (mode, ratio) pairs; full (ratio 1) is always run, as the reference."""
+    if ("full", 1.0) not in modes:
+        modes = [("full", 1.0), *modes]
+    variants = list(variants or VARIANTS)
+    results: list[NeedleResult] = []
+    tokenizer = engine.primary.lm.tokenizer
+    for length in lengths:
+        for variant in variants:
+            for i in range(samples):
+                sample = generate(variant, length, seed + i, tokenizer)
+                ids = engine.ingest([sample.context], progress=False)
+                full_ttft = None
+                for mode, ratio in modes:
+                    ans = engine.answer(sample.question, chunk_ids=ids, mode=mode, recompute_ratio=ratio,
+                                        max_new_tokens=max_new_tokens, seed=seed + i)
+                    t = ans.timings
+                    if mode == "full":
+                        full_ttft = t["ttft"]
+                    results.append(NeedleResult(
+                        length=length, variant=variant, seed=seed + i, mode=mode, ratio=ratio,
+                        score=score(ans.text, sample.expected), answer=ans.text, ttft=t["ttft"],
+                        ttft_vs_full=t["ttft"] / full_ttft if full_ttft else float("nan"),
+                        selection=t["selection"], load=t["load"], assemble=t["assemble"], recompute=t["recompute"],
+                        effective_fraction=ans.effective_fraction, prompt_tokens=ans.prompt_tokens,
+                    ))
+                if progress:
+                    progress(f"{length} {variant} sample {i + 1}/{samples}")
+    return results
+
+
+def _label(mode: str, ratio: float) -> str:
+    return mode if mode in ("full", "reuse", "ape") else f"{mode}@{ratio:g}"
+
+
+def summarize(results: list[NeedleResult]) -> list[dict]:
+    """One row per (length, mode, ratio): per-variant means, average, % of full, eff%, TTFT/full."""
+    rows = []
+    keys = sorted({(r.length, r.mode, r.ratio) for r in results}, key=lambda k: (k[0], k[1] != "full", k[1], k[2]))
+    for length, mode, ratio in keys:
+        sel = [r for r in results if (r.length, r.mode, r.ratio) == (length, mode, ratio)]
+        per_variant = {}
+        for v in VARIANTS:
+            scores = [r.score for r in sel if r.variant == v]
+            if scores:
+                per_variant[v] = statistics.mean(scores)
+        row = dict(length=length, mode=mode, ratio=ratio, label=_label(mode, ratio), samples=len(sel),
+                   variants=per_variant, avg=statistics.mean(per_variant.values()),
+                   effective_fraction=statistics.mean(r.effective_fraction for r in sel),
+                   ttft=statistics.median(r.ttft for r in sel),
+                   ttft_vs_full=statistics.median(r.ttft_vs_full for r in sel),
+                   selection=statistics.median(r.selection for r in sel),
+                   load=statistics.median(r.load for r in sel),
+                   assemble=statistics.median(r.assemble for r in sel),
+                   recompute=statistics.median(r.recompute for r in sel))
+        rows.append(row)
+    for row in rows:
+        full = next((r for r in rows if r["length"] == row["length"] and r["mode"] == "full"), None)
+        row["pct_of_full"] = 100 * row["avg"] / full["avg"] if full and full["avg"] else float("nan")
+        row["wins_losses_vs_reuse"] = _wins_losses(results, row, "reuse")
+    return rows
+
+
+def _wins_losses(results: list[NeedleResult], row: dict, other: str) -> tuple[int, int]:
+    mine = {(r.variant, r.seed): r.score for r in results
+            if (r.length, r.mode, r.ratio) == (row["length"], row["mode"], row["ratio"])}
+    theirs = {(r.variant, r.seed): r.score for r in results if r.length == row["length"] and r.mode == other}
+    wins = sum(1 for k, s in mine.items() if k in theirs and s > theirs[k])
+    losses = sum(1 for k, s in mine.items() if k in theirs and s < theirs[k])
+    return wins, losses
+
+
+def table(rows: list[dict]) -> str:
+    variants = [v for v in VARIANTS if any(v in r["variants"] for r in rows)]
+    short = {v: v.replace("multikey", "mk").replace("single", "s").replace("multivalue", "mv").replace("multiquery", "mq") for v in variants}
+    head = f"{'len':>5} {'mode':<16} " + " ".join(f"{short[v]:>5}" for v in variants) + \
+        f" {'avg':>6} {'%full':>6} {'eff%':>5} {'TTFT/full':>9} {'W/L vs reuse':>12}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cells = " ".join(f"{100 * r['variants'].get(v, float('nan')):>5.0f}" for v in variants)
+        w, lo = r["wins_losses_vs_reuse"]
+        lines.append(f"{r['length']:>5} {r['label']:<16} {cells} {100 * r['avg']:>6.1f} {r['pct_of_full']:>6.1f} "
+                     f"{100 * r['effective_fraction']:>5.1f} {r['ttft_vs_full']:>9.3f} {f'{w}/{lo}':>12}")
+    return "\n".join(lines)
+
+
+def write_json(results: list[NeedleResult], rows: list[dict], path: str | Path) -> None:
+    Path(path).write_text(json.dumps({"summary": rows, "samples": [asdict(r) for r in results]}, indent=2))

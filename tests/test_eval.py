@@ -1,0 +1,128 @@
+"""The evaluation harness: needle generator, metrics, writers, and miniature runs end to end."""
+
+import json
+
+import pytest
+import torch
+
+from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
+from cacheclip_rag.eval import alignment, html, needle, plots, qa, ttft
+from cacheclip_rag.eval.metrics import best_of, exact_match, normalize, rouge_l, token_f1
+from cacheclip_rag.eval.niah import VARIANTS, generate, score
+
+from conftest import CORPUS
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_generator_is_deterministic_and_places_needles_exactly(variant, tiny_tokenizer):
+    a = generate(variant, 300, seed=3, tokenizer=tiny_tokenizer)
+    b = generate(variant, 300, seed=3, tokenizer=tiny_tokenizer)
+    c = generate(variant, 300, seed=4, tokenizer=tiny_tokenizer)
+    assert a == b and a.context != c.context
+    for needle_text in a.needles:
+        assert a.context.count(needle_text) == 1  # each needle once, whole, between sentences
+        i = a.context.index(needle_text)
+        assert i == 0 or a.context[i - 1] == " "
+    for value in a.expected:
+        assert sum(value in n for n in a.needles) >= 1
+    n_tokens = len(tiny_tokenizer(a.context, add_special_tokens=False)["input_ids"])
+    assert 300 <= n_tokens <= 420
+    expected_counts = {"multivalue": 4, "multiquery": 4}
+    assert len(a.expected) == expected_counts.get(variant, 1)
+
+
+def test_variant_shapes(tiny_tokenizer):
+    mk1 = generate("multikey_1", 300, 0, tiny_tokenizer)
+    assert mk1.context.count("One of the special magic numbers for") == 4  # 1 asked + 3 distractors
+    mk2 = generate("multikey_2", 300, 0, tiny_tokenizer)
+    assert mk2.context.count("One of the special magic numbers for") > 5  # haystack of needles
+    mk3 = generate("multikey_3", 300, 0, tiny_tokenizer)
+    assert mk3.question.count("-") >= 4 and len(mk3.expected[0]) == 36  # UUID key and value
+    s1 = generate("single_1", 300, 0, tiny_tokenizer)
+    assert "The grass is green." in s1.context
+    with pytest.raises(ValueError, match="variant"):
+        generate("nope", 300, 0, tiny_tokenizer)
+
+
+def test_score_is_reference_coverage():
+    assert score("the numbers are 123 and 456", ["123", "456", "789", "000"]) == 0.5
+    assert score("UUID ABC-def", ["abc-DEF"]) == 1.0
+    assert score("nothing", ["1"]) == 0.0
+
+
+def test_metrics_against_hand_computed_values():
+    assert normalize("The  Amber, Coast!") == "amber coast"
+    assert exact_match("the Amber Coast.", "Amber coast") == 1.0
+    # pred tokens: [born, in, amber, coast] vs ref [amber, coast]: p = 2/4, r = 1 -> F1 = 2/3
+    assert token_f1("born in the Amber Coast", "the Amber Coast") == pytest.approx(2 / 3)
+    # LCS of [a, b, c, d] and [a, c, d, e] is 3 -> p = r = 3/4 -> 0.75
+    assert rouge_l("alpha beta gamma delta", "alpha gamma delta epsilon") == pytest.approx(0.75)
+    assert best_of(token_f1, "Hollin Bay", ["Dunmarsh", "Hollin Bay"]) == 1.0
+    assert token_f1("", "x") == 0.0 and rouge_l("x", "y") == 0.0
+
+
+def test_character_projection_and_jaccard():
+    chars = alignment.to_chars(torch.tensor([0.5, 0.5]), torch.tensor([[0, 2], [2, 6]]), 6)
+    assert chars.tolist() == [0.25, 0.25, 0.125, 0.125, 0.125, 0.125]
+    a = torch.tensor([5.0, 4, 3, 2, 1, 0, 0, 0, 0, 0])
+    assert alignment.top_jaccard(a, a) == 1.0
+    assert alignment.top_jaccard(a, a.flip(0)) == 0.0
+    assert alignment.kl(a + 1, a + 1) == pytest.approx(0.0)
+
+
+def test_qa_dataset_loader(tmp_path):
+    shipped = qa.load_dataset(qa.Path(qa.__file__).parent.parent / "data" / "qa_invented.jsonl")
+    assert len(shipped) == 32 and all(len(ex.contexts) == 4 for ex in shipped)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "contexts": [], "answers": ["a"]}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: 'contexts'"):
+        qa.load_dataset(bad)
+    bad.write_bytes(b"\xff\xfe not utf8")
+    with pytest.raises(ValueError, match="UTF-8"):
+        qa.load_dataset(bad)
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_pair, tmp_path_factory):
+    cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=48, overlap_tokens=0))
+    return CacheClipEngine(*tiny_pair, tmp_path_factory.mktemp("eval"), cfg)
+
+
+def test_miniature_needle_bench_with_plots(eng, tmp_path):
+    modes = [("reuse", 0.0), ("ape", 0.0), ("cacheblend", 0.3), ("epic", 0.3), ("random", 0.3), ("cacheclip", 0.3), ("cacheclip", 0.6)]
+    results = needle.run(eng, modes, variants=["single_2", "multivalue"], lengths=[150], samples=2, max_new_tokens=3)
+    rows = needle.summarize(results)
+    assert {r["label"] for r in rows} >= {"full", "reuse", "ape", "cacheblend@0.3", "cacheclip@0.6"}
+    assert "W/L vs reuse" in needle.table(rows)
+    needle.write_json(results, rows, tmp_path / "n.json")
+    assert len(json.loads((tmp_path / "n.json").read_text())["samples"]) == 2 * 2 * 8
+    plots.quality_vs_ratio(rows, tmp_path / "q.png")
+    plots.ttft_breakdown(rows, tmp_path / "t.png")
+    for name in ("q.png", "t.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_miniature_qa_and_ttft_runs(eng, tmp_path):
+    examples = qa.load_dataset(qa.Path(qa.__file__).parent.parent / "data" / "qa_invented.jsonl")[:2]
+    rows = qa.summarize(qa.run(eng, examples, [("reuse", 0.0), ("cacheclip", 0.5)], max_new_tokens=3))
+    assert [r["mode"] for r in rows] == ["full", "cacheclip", "reuse"]
+    assert "F1 %full" in qa.table(rows)
+    trows = ttft.run(eng, [120], [("reuse", 0.0), ("cacheclip", 0.2)], runs=2, max_new_tokens=2)
+    assert [r.mode for r in trows] == ["full", "reuse", "cacheclip"] and trows[0].vs_full == 1.0
+    ttft.write_json(trows, tmp_path / "t.json")
+
+
+def test_miniature_alignment(tiny_pair):
+    rows = alignment.run(*tiny_pair, lengths=[100], samples=1)
+    assert 0.0 <= rows[0].jaccard_aux_last <= 1.0 and rows[0].kl_pri_first >= 0.0
+    assert "J(aux_last,pri_last)" in alignment.table(rows)
+
+
+def test_selection_page(eng, tmp_path):
+    ids = eng.ingest(CORPUS, progress=False)
+    stream = eng.stream("what is the code?", chunk_ids=ids[:3], recompute_ratio=0.5, max_new_tokens=2)
+    list(stream)
+    assert len(stream.trace) == 3
+    html.write(tmp_path / "sel.html", "what is the code?", stream.answer, stream.trace)
+    page = (tmp_path / "sel.html").read_text()
+    assert "CacheClip selection" in page and "underline" in page and "rgba(255,140,0," in page
