@@ -1,0 +1,51 @@
+"""The command line end to end on tiny models saved as local folders (any folder works as a model)."""
+
+import json
+
+import pytest
+
+from cacheclip_rag.cli import main
+
+from conftest import CORPUS
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_pair, tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    out = []
+    for name, lm in zip(("primary", "aux"), tiny_pair):
+        path = root / name
+        lm.model.save_pretrained(path)
+        lm.tokenizer.save_pretrained(path)
+        out.append(str(path))
+    return out
+
+
+def _args(folders, store):
+    return ["--store", str(store), "--primary", folders[0], "--aux", folders[1]]
+
+
+def test_ingest_ask_and_selection_page(folders, tmp_path, capsys):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("\n".join(json.dumps({"title": f"d{i}", "text": t}) for i, t in enumerate(CORPUS)))
+    txt = tmp_path / "note.txt"
+    txt.write_text("A plain text note about the harbour and the code 4721-9930.")
+    assert main(["ingest", str(docs), str(txt), "--quiet", "--chunk-tokens", "32", *_args(folders, tmp_path / "s")]) == 0
+    assert "ingested" in capsys.readouterr().out
+    page = tmp_path / "sel.html"
+    code = main(["ask", "what is the code?", "--ratio", "0.5", "--max-new-tokens", "3", "--json",
+                 "--show-selection", str(page), *_args(folders, tmp_path / "s")])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["mode"] == "cacheclip" and result["chunk_ids"]
+    assert page.exists()
+
+
+def test_bad_input_exits_2_with_a_message(folders, tmp_path, capsys):
+    assert main(["ask", "q?", "--ratio", "1.5", *_args(folders, tmp_path / "empty")]) == 2
+    assert "recompute_ratio must be in [0, 1]" in capsys.readouterr().err
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe\xfa")
+    assert main(["ingest", str(bad), *_args(folders, tmp_path / "s2")]) == 2
+    assert "not valid UTF-8" in capsys.readouterr().err
+    assert main(["ingest", str(tmp_path / "missing.txt"), *_args(folders, tmp_path / "s2")]) == 2
