@@ -110,6 +110,18 @@ class BaselineConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    """Time-to-first-token machinery; neither switch changes any result.
+
+    overlap_selection: run the aux selection on a CPU thread while the primary caches load.
+    layerwise_loading: load and assemble layer l + 1 while layer l is recomputed.
+    """
+
+    overlap_selection: bool = True
+    layerwise_loading: bool = True
+
+
+@dataclass(frozen=True)
 class StoreConfig:
     """The KV store: memory tier size (bytes) in front of the safetensors files."""
 
@@ -148,6 +160,7 @@ class EngineConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     baselines: BaselineConfig = field(default_factory=BaselineConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     top_k: int = 4
     """Chunks retrieved per question when the caller gives no chunk ids."""
     embedder: str = "all-minilm-l6-v2"
@@ -183,6 +196,7 @@ _SECTIONS = {
     "store": StoreConfig,
     "model": ModelConfig,
     "baselines": BaselineConfig,
+    "pipeline": PipelineConfig,
 }
 
 

@@ -12,6 +12,7 @@ import logging
 import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import models as model_lib
-from .assemble import Layout, ape_positions, assemble, build_layout
+from .assemble import Layout, ape_positions, build_layout
 from .chunking import Chunk, chunk_id, split_document
 from .config import EngineConfig, check_mode, check_ratio
 from .encode import Template, chat_template, encode_prefix, encode_segment, tokenize
@@ -28,7 +29,8 @@ from .generate import DecodeOptions, Step, decode, hf_step
 from .index import ChunkIndex
 from .models import LoadedModel
 from .recognize import ChunkMatcher
-from .recompute import ApeSpec, BlendSpec, recompute_rows
+from .pipeline import LayerFeeder
+from .recompute import ApeSpec, AssembledCache, BlendSpec, recompute_rows
 from .select import map_tokens, select
 from .store import ChunkKV, KVStore
 
@@ -143,6 +145,8 @@ class CacheClipEngine:
         self.index = ChunkIndex(Path(store_dir) / "index", self.config.embedder)
         self.matcher = ChunkMatcher()
         self._ingest_lock = threading.Lock()
+        # One worker runs aux selection beside the primary loading (CacheClip's CPU/GPU split).
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheclip-aux")
         self._open_corpus()
 
     def _open_corpus(self) -> None:
@@ -218,9 +222,7 @@ class CacheClipEngine:
             if chunk is None:
                 raise ValueError(f"unknown chunk id {chunk_id!r}: not in the store {self.store.root}")
             text = chunk.text
-        kv = encode_segment(frame.lm, frame.prefix_ids, text)
-        self.store.put_kv(frame.namespace, chunk_id, kv)
-        return kv
+        return self._encode_and_store(frame, chunk_id, text)
 
     def _prefix_kv(self, frame: _Model) -> ChunkKV:
         kv = self.store.get_kv(frame.namespace, _PREFIX_KEY)
@@ -428,32 +430,75 @@ class CacheClipEngine:
         timings["total"] = time.perf_counter() - t0
 
     def _reuse(self, frame: _Model, layout: Layout, request: _Request):
-        """Assemble the chunk caches, recompute the rows the mode picks; return (logits, decode step)."""
-        timings = request.timings
+        """Assemble the chunk caches, recompute the rows the mode picks; return (logits, decode step).
+
+        In cacheclip mode the aux selection runs on a worker thread while the primary caches are
+        opened; with layer-wise loading, layer l + 1 is loaded while layer l is recomputed.
+        """
+        timings, pipe = request.timings, self.config.pipeline
+        start = time.perf_counter()
+        needs_aux = request.mode == "cacheclip" and 0 < request.ratio < 1 and bool(layout.chunk_segments())
+        future = self._pool.submit(self._aux_select, layout, request) if needs_aux and pipe.overlap_selection else None
+
         t = time.perf_counter()
-        kvs = {seg.chunk_id: self._chunk_kv(frame, seg.chunk_id, seg.text) for seg in layout.chunk_segments()}
+        sources = {seg.chunk_id: self._open_chunk(frame, seg.chunk_id, seg.text) for seg in layout.chunk_segments()}
         prefix_kv = self._prefix_kv(frame)
         timings["load"] = time.perf_counter() - t
 
-        t = time.perf_counter()
-        selected, blend, ape = self._mode_plan(layout, kvs, request)
-        timings["selection"] = time.perf_counter() - t
+        picks = None
+        if needs_aux:
+            t = time.perf_counter()
+            picks, timings["selection"] = future.result() if future is not None else self._aux_select(layout, request)
+            timings["selection_wait"] = time.perf_counter() - t if future is not None else timings["selection"]
+            timings["selection_hidden"] = max(0.0, timings["selection"] - timings["selection_wait"])
+        selected, blend, ape = self._mode_plan(layout, sources, picks, request)
 
         t = time.perf_counter()
         positions = ape_positions(layout) if ape is not None else torch.arange(layout.num_tokens)
-        capacity = layout.num_tokens + request.options.max_new_tokens
-        cache = assemble(frame.lm, layout, prefix_kv, kvs, positions, capacity)
-        timings["assemble"] = time.perf_counter() - t
+        cache = AssembledCache.empty(frame.lm, layout.num_tokens + request.options.max_new_tokens)
+        for layer in range(frame.lm.num_layers):
+            cache.keys[layer][0, :, : layout.prefix_len] = prefix_kv.keys[layer]
+            cache.values[layer][0, :, : layout.prefix_len] = prefix_kv.values[layer]
+        def rebuild(cid: str, err: Exception) -> ChunkKV:
+            self.store.discard(frame.namespace, cid, err)
+            return self._encode_and_store(frame, cid, None)
 
-        t = time.perf_counter()
+        keep = lambda cid, kv: self.store.remember(frame.namespace, cid, kv)  # noqa: E731
+        feeder = LayerFeeder(
+            frame.lm, layout, sources, positions, cache, rebuild, pipelined=pipe.layerwise_loading, on_loaded=keep
+        )
+
         rows = torch.unique(torch.cat([layout.uncached_rows(), selected]))  # sorted
-        backend = self.config.attention_backend
-        result = recompute_rows(frame.lm, cache, layout.input_ids, rows, positions=positions, backend=backend, ape=ape, blend=blend)
+        result = recompute_rows(
+            frame.lm, cache, layout.input_ids, rows, positions=positions, backend=self.config.attention_backend,
+            ape=ape, blend=blend, layer_ready=feeder.wait,
+        )
+        feeder.finish()
         request.rows = result.rows
-        timings["recompute"] = time.perf_counter() - t
+        timings["assemble"] = feeder.busy  # loading + re-rotation per layer, overlapped when pipelined
+        timings["load_wait"] = feeder.waited
+        timings["recompute"] = time.perf_counter() - t - feeder.waited
+        timings["prepare"] = time.perf_counter() - start
         return result.logits, self._own_step(frame, cache, layout, positions, ape)
 
-    def _mode_plan(self, layout: Layout, kvs: dict[str, ChunkKV], request: _Request):
+    def _open_chunk(self, frame: _Model, chunk_id: str, text: str):
+        """A chunk's primary cache for layer-wise loading (memory tier, reader, or fresh encode)."""
+        if self.config.pipeline.layerwise_loading:
+            source = self.store.open_layers(frame.namespace, chunk_id)
+            if source is not None and source.token_ids.numel() == 0:
+                source = None
+            if source is not None:
+                return source
+        return self._chunk_kv(frame, chunk_id, text)
+
+    def _encode_and_store(self, frame: _Model, chunk_id: str, text: str | None) -> ChunkKV:
+        if text is None:
+            text = self._chunk_text(chunk_id)
+        kv = encode_segment(frame.lm, frame.prefix_ids, text)
+        self.store.put_kv(frame.namespace, chunk_id, kv)
+        return kv
+
+    def _mode_plan(self, layout: Layout, sources: dict, picks, request: _Request):
         """What the mode recomputes besides the plain-text rows: (selected rows, blend spec, APE spec)."""
         selected = torch.empty(0, dtype=torch.long)
         chunk_rows = layout.chunk_rows()
@@ -482,7 +527,7 @@ class CacheClipEngine:
             gen = torch.Generator().manual_seed(request.seed)
             k = round(ratio * chunk_rows.numel())
             return chunk_rows[torch.randperm(chunk_rows.numel(), generator=gen)[:k]], None, None
-        return self._select(layout, kvs, request), None, None
+        return self._map_selection(layout, picks, sources, request), None, None
 
     def _own_step(self, frame: _Model, cache, layout: Layout, positions: torch.Tensor, ape) -> Step:
         """Decode through the same layer loop as recompute, into the preallocated cache rows."""
@@ -499,22 +544,27 @@ class CacheClipEngine:
 
         return step
 
-    def _select(self, layout: Layout, primary_kvs: dict[str, ChunkKV], request: _Request) -> torch.Tensor:
-        """CacheClip: aux scores -> candidates -> grouping -> primary positions [S]."""
+    def _aux_select(self, layout: Layout, request: _Request):
+        """CacheClip on the aux model (thread-safe): per chunk (aux cache, selection); seconds taken."""
+        start = time.perf_counter()
         segments = layout.chunk_segments()
         aux_kvs = [self._chunk_kv(self.aux, seg.chunk_id, seg.text) for seg in segments]
         query_ids, _ = tokenize(self.aux.lm, request.aux_query + self.aux.template.suffix)
         query_ids = query_ids[-_MAX_AUX_QUERY_TOKENS:]
         self._check_aux_length(aux_kvs, query_ids)
         picks = select(self.aux.lm, self.config.select, request.ratio, self._prefix_kv(self.aux), aux_kvs, query_ids)
+        return list(zip(segments, aux_kvs, picks)), time.perf_counter() - start
+
+    def _map_selection(self, layout: Layout, picks, sources: dict, request: _Request) -> torch.Tensor:
+        """Kept aux tokens -> primary positions [S] through character offsets."""
         rows = []
-        for seg, aux_kv, pick in zip(segments, aux_kvs, picks):
-            primary_kv = primary_kvs[seg.chunk_id]
-            mask = map_tokens(aux_kv.offsets, pick.kept, primary_kv.offsets, len(seg.text))
+        for seg, aux_kv, pick in picks:
+            primary_offsets = sources[seg.chunk_id].offsets
+            mask = map_tokens(aux_kv.offsets, pick.kept, primary_offsets, len(seg.text))
             rows.append(seg.start + torch.nonzero(mask).flatten())
             request.trace.append(dict(
                 chunk_id=seg.chunk_id, text=seg.text, aux_offsets=aux_kv.offsets, aux_scores=pick.scores,
-                aux_candidates=pick.candidates, aux_kept=pick.kept, primary_offsets=primary_kv.offsets, recomputed=mask,
+                aux_candidates=pick.candidates, aux_kept=pick.kept, primary_offsets=primary_offsets, recomputed=mask,
             ))
         return torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
 

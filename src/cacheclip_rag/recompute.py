@@ -13,6 +13,7 @@ weights and numerics are transformers' own; only the attention call is ours, beh
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -169,13 +170,15 @@ def recompute_rows(
     backend: str = "auto",
     ape: ApeSpec | None = None,
     blend: BlendSpec | None = None,
+    layer_ready: Callable[[int], None] | None = None,
 ) -> RecomputeResult:
     """Recompute `rows` of the request in place in `cache`; return the last row's logits.
 
     input_ids: [>= rows[-1] + 1] the request's tokens by sequence index. rows: [M] sorted unique
     sequence indices; the last one is the row whose next token is predicted. Each row attends
     causally by sequence index. positions: [>= rows[-1] + 1] RoPE position of each index
-    (default: the index itself; APE's parallel chunks share positions).
+    (default: the index itself; APE's parallel chunks share positions). layer_ready(l) is
+    called before layer l runs: the pipelined loader fills that layer of the cache meanwhile.
     """
     assert rows.numel() > 0, "nothing to recompute"
     last_row = int(rows[-1])
@@ -186,6 +189,8 @@ def recompute_rows(
     h = base.embed_tokens(input_ids.to(lm.device)[rows])[None]  # [1, M, hidden]
     cos, sin = rope(lm, h, rope_pos)
     for layer_idx, layer in enumerate(base.layers):
+        if layer_ready is not None:
+            layer_ready(layer_idx)
         keys, values = cache.keys[layer_idx], cache.values[layer_idx]
         q, k, v = layer_qkv(layer, h, cos, sin)
         if blend is not None and layer_idx == blend.check_layer:

@@ -88,14 +88,23 @@ class StoreStats:
     writes: int = 0
 
 
-def _checksum(tensors: dict[str, torch.Tensor]) -> str:
+def _tensor_sum(name: str, t: torch.Tensor) -> str:
     digest = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        digest.update(name.encode())
-        digest.update(str(tuple(t.shape)).encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+    t = t.contiguous()
+    digest.update(name.encode())
+    digest.update(str(tuple(t.shape)).encode())
+    digest.update(str(t.dtype).encode())
+    digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def _checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """One sha256 per tensor, so a single layer can be read and verified without the others."""
+    return {name: _tensor_sum(name, t) for name, t in tensors.items()}
+
+
+class DamagedCacheError(ValueError):
+    """A cache file failed to parse or to match its checksums."""
 
 
 def _hashed_name(key: str) -> str:
@@ -219,7 +228,7 @@ class KVStore:
             "namespace": namespace,
             "start_pos": str(kv.start_pos),
             "num_layers": str(len(kv.keys)),
-            "sha256": _checksum(tensors),
+            "sha256": json.dumps(_checksums(tensors), sort_keys=True),
         }
         atomic_write(self.kv_path(namespace, key), lambda p: save_file(tensors, p, metadata=meta))
         with self._lock:
@@ -242,11 +251,7 @@ class KVStore:
         try:
             kv = self._read(path, namespace, key)
         except (SafetensorError, OSError, ValueError, KeyError) as err:
-            log.warning("cache file %s for %r is damaged (%s); it will be rebuilt", path, key, err)
-            path.unlink(missing_ok=True)
-            with self._lock:
-                self.stats.damaged += 1
-                self.stats.misses += 1
+            self.discard(namespace, key, err)
             return None
         with self._lock:
             self.stats.disk_hits += 1
@@ -255,21 +260,51 @@ class KVStore:
 
     @staticmethod
     def _read(path: Path, namespace: str, key: str) -> ChunkKV:
-        with safe_open(str(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
-            tensors = {name: fh.get_tensor(name) for name in fh.keys()}
-        if meta.get("key") != key or meta.get("namespace") != namespace:
-            raise ValueError(f"file holds {meta.get('key')!r}/{meta.get('namespace')!r}")
-        if meta.get("sha256") != _checksum(tensors):
-            raise ValueError("checksum mismatch")
-        layers = int(meta["num_layers"])
-        return ChunkKV(
-            keys=[tensors[f"k.{i}"] for i in range(layers)],
-            values=[tensors[f"v.{i}"] for i in range(layers)],
-            token_ids=tensors["token_ids"],
-            offsets=tensors["offsets"],
-            start_pos=int(meta["start_pos"]),
-        )
+        reader = LayerReader(path, namespace, key)
+        try:
+            layers = [reader.layer(i) for i in range(reader.num_layers)]
+        finally:
+            reader.close()
+        return ChunkKV([k for k, _ in layers], [v for _, v in layers], reader.token_ids, reader.offsets, reader.start_pos)
+
+    def open_layers(self, namespace: str, key: str) -> ChunkKV | LayerReader | None:
+        """For layer-wise loading: the cache from the memory tier (all layers at hand), or a
+        reader that loads and verifies one layer at a time, or None when the file is missing or
+        damaged (then removed). Token ids and offsets are read and verified at once."""
+        with self._lock:
+            hit = self._memory.get((namespace, key))
+            if hit is not None:
+                self._memory.move_to_end((namespace, key))
+                self.stats.memory_hits += 1
+                return hit
+        path = self.kv_path(namespace, key)
+        if not path.exists():
+            with self._lock:
+                self.stats.misses += 1
+            return None
+        try:
+            reader = LayerReader(path, namespace, key)
+        except (SafetensorError, OSError, ValueError, KeyError) as err:
+            self.discard(namespace, key, err)
+            return None
+        with self._lock:
+            self.stats.disk_hits += 1
+        return reader
+
+    def discard(self, namespace: str, key: str, why: object) -> None:
+        """Remove a damaged cache file (it is rebuilt from the chunk text on next use)."""
+        path = self.kv_path(namespace, key)
+        log.warning("cache file %s for %r is damaged (%s); it will be rebuilt", path, key, why)
+        path.unlink(missing_ok=True)
+        with self._lock:
+            self._memory.pop((namespace, key), None)
+            self.stats.damaged += 1
+            self.stats.misses += 1
+
+    def remember(self, namespace: str, key: str, kv: ChunkKV) -> None:
+        """Put a cache that was read layer by layer into the memory tier."""
+        with self._lock:
+            self._remember((namespace, key), kv)
 
     def _remember(self, mkey: tuple[str, str], kv: ChunkKV) -> None:
         size = kv.nbytes
@@ -292,3 +327,42 @@ class KVStore:
     @property
     def memory_bytes(self) -> int:
         return self._memory_bytes
+
+
+class LayerReader:
+    """Reads one cache file layer by layer (memory-mapped), verifying each tensor's checksum."""
+
+    def __init__(self, path: Path, namespace: str, key: str):
+        self._fh = safe_open(str(path), framework="pt")
+        meta = self._fh.metadata() or {}
+        if meta.get("key") != key or meta.get("namespace") != namespace:
+            raise DamagedCacheError(f"file holds {meta.get('key')!r}/{meta.get('namespace')!r}")
+        try:
+            self._sums = json.loads(meta["sha256"])
+            self.num_layers = int(meta["num_layers"])
+            self.start_pos = int(meta["start_pos"])
+        except (KeyError, ValueError, TypeError) as err:
+            raise DamagedCacheError(f"bad metadata ({err})") from err
+        expected = {"token_ids", "offsets"} | {f"{kv}.{i}" for kv in "kv" for i in range(self.num_layers)}
+        if set(self._fh.keys()) != expected or set(self._sums) != expected:
+            raise DamagedCacheError("tensor names do not match the metadata")
+        self.token_ids = self._get("token_ids")
+        self.offsets = self._get("offsets")
+        self.path = path
+
+    def _get(self, name: str) -> torch.Tensor:
+        tensor = self._fh.get_tensor(name)
+        if _tensor_sum(name, tensor) != self._sums[name]:
+            raise DamagedCacheError(f"checksum mismatch in {name}")
+        return tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of layer i: [kv_heads, T, head_dim] each."""
+        return self._get(f"k.{i}"), self._get(f"v.{i}")
+
+    def close(self) -> None:
+        self._fh = None
