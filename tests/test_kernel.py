@@ -114,7 +114,7 @@ def test_recompute_through_the_kernel_equals_the_torch_path(tiny_pair):
     prefix = encode_prefix(lm, "System.\n\n")
     kvs = {f"c{i}": encode_segment(lm, prefix.token_ids, t) for i, t in enumerate(CORPUS[:3])}
     pieces = [(t, f"c{i}") for i, t in enumerate(CORPUS[:3])] + [("\n\nQuestion: code?", None)]
-    layout = build_layout(prefix.token_ids, pieces, lambda s: tokenize(lm, s))
+    layout = build_layout(prefix.token_ids, pieces, lambda s, special: tokenize(lm, s, special))
     rows = torch.unique(torch.cat([layout.uncached_rows(), layout.chunk_rows()[::3]]))
     results = {}
     for backend in ("torch", "triton"):

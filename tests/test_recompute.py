@@ -23,7 +23,7 @@ def _request(lm, with_separators=True):
             pieces.append(("\n\n", None))
         pieces.append((t, f"c{i}"))
     pieces.append(("\n\nQuestion: what is the code?\nAnswer:", None))
-    layout = build_layout(prefix_kv.token_ids, pieces, lambda s: tokenize(lm, s))
+    layout = build_layout(prefix_kv.token_ids, pieces, lambda s, special: tokenize(lm, s, special))
     return layout, prefix_kv, kvs
 
 

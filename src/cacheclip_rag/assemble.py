@@ -68,16 +68,18 @@ class Layout:
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
 
-def build_layout(prefix_ids: torch.Tensor, pieces: list[tuple[str, str | None]], tokenize) -> Layout:
+def build_layout(prefix_ids: torch.Tensor, pieces: list[tuple[str, str | None]], tokenize, suffix: str = "") -> Layout:
     """Tokenize each piece on its own and place the pieces after the prefix.
 
-    pieces: (text, chunk_id or None) in order. tokenize: text -> (ids [T], offsets [T, 2]).
+    pieces: (text, chunk_id or None) in order: user content. suffix: the template text that
+    closes the request (its special tokens are parsed). tokenize: (text, special) -> (ids [T],
+    offsets [T, 2]).
     """
     segments = []
     pos = int(prefix_ids.numel())
     ids = [prefix_ids]
-    for text, cid in pieces:
-        seg_ids, offsets = tokenize(text)
+    for text, cid, special in [(t, c, False) for t, c in pieces] + ([(suffix, None, True)] if suffix else []):
+        seg_ids, offsets = tokenize(text, special)
         if seg_ids.numel() == 0:
             continue
         segments.append(Segment(text, cid, pos, seg_ids, offsets))

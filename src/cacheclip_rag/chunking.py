@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass
 
 from .config import ChunkConfig
@@ -24,6 +25,28 @@ class Chunk:
     end: int
 
 
+_TOKENIZER_LOCK = threading.Lock()
+"""Fast tokenizers are not safe to call from several threads at once (and split_special_tokens
+toggles state on the tokenizer), so every call in the library goes through this lock."""
+
+
+def encode_text(tokenizer, text: str, special: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids and character offsets of text, without added special tokens.
+
+    special=False (user content: documents, chunks, questions): special-token strings in the
+    text, such as "<|im_end|>", are split as plain text, so a document cannot forge a turn of the
+    chat template. special=True is for the template's own pieces.
+    """
+    with _TOKENIZER_LOCK:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=not special)
+    return list(enc["input_ids"]), [(int(s), int(e)) for s, e in enc["offset_mapping"]]
+
+
+def decode_ids(tokenizer, ids: list[int]) -> str:
+    with _TOKENIZER_LOCK:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def chunk_id(text: str) -> str:
     """Stable id of a chunk text: 'c' + the first 24 hex digits of its sha256."""
     return "c" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:24]
@@ -41,8 +64,7 @@ def split_document(text: str, tokenizer, cfg: ChunkConfig, source: str = "") -> 
         raise ValueError(f"a document must be a str, got {type(text).__name__}")
     if not text.strip():
         raise ValueError(f"document {source!r} is empty or whitespace only")
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    offsets = [(s, e) for s, e in enc["offset_mapping"]]
+    _, offsets = encode_text(tokenizer, text)
     n = len(offsets)
     if n <= cfg.chunk_tokens:
         return [Chunk(chunk_id(text), text, source, 0, len(text))]

@@ -133,6 +133,36 @@ def cmd_models(args) -> int:
     return 0
 
 
+def cmd_store(args) -> int:
+    from .store import KVStore
+
+    root = Path(args.store)
+    if not (root / "store.json").exists():
+        raise ValueError(f"{args.store!r} is not a cacheclip store (no store.json)")
+    store = KVStore(root)
+    if args.action == "stats":
+        usage = store.usage()
+        print(f"store {root}: {usage['chunks']} chunks, texts {usage['text_bytes'] / 2**20:.1f} MB")
+        for ns, info in usage["namespaces"].items():
+            print(f"  {info.get('role', '?'):<8} {info.get('model', '?'):<32} {info['caches']:>6} caches "
+                  f"{info['bytes'] / 2**20:>9.1f} MB  (namespace {ns[:12]}, fingerprint {info.get('fingerprint', '?')[:12]})")
+        print("  memory tier: in-process, per engine (StoreConfig.memory_bytes); hit rates in `bench ttft` output")
+        return 0
+    if args.action == "verify":
+        report = store.verify()
+        missing = sum(len(v) for v in report["missing"].values())
+        print(f"checked {report['checked']} cache files: {len(report['damaged'])} damaged, "
+              f"{missing} missing, {len(report['orphans'])} orphaned, {len(report['bad_texts'])} unreadable texts")
+        for ns, name, why in report["damaged"]:
+            print(f"  damaged: {ns[:12]}/{name}: {why}")
+        return 0 if not (report["damaged"] or missing or report["bad_texts"]) else 1
+    engine = _engine(args)
+    result = engine.repair(progress=not args.quiet)
+    print(f"repaired store {root}: {result['damaged']} damaged files found, {result['rebuilt']} caches rebuilt "
+          f"for {result['chunks']} chunks")
+    return 0
+
+
 def _mode_list(modes: list[str], ratios: list[float]) -> list[tuple[str, float]]:
     out = []
     for mode in modes:
@@ -164,6 +194,10 @@ def cmd_bench(args) -> int:
         print(ttft.table(rows))
         if args.json:
             ttft.write_json(rows, args.json)
+        if args.plot:
+            ttft.plot(rows, args.plot)
+        stats = engine.store.stats
+        print(f"store memory tier: {stats.memory_hits} hits, {stats.disk_hits} disk reads, {stats.misses} misses")
         return 0
     from .eval import needle
 
@@ -237,6 +271,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.set_defaults(func=cmd_demo)
 
+    p = sub.add_parser("store", help="inspect or heal a store: stats, verify, repair")
+    _common(p)
+    p.add_argument("action", choices=["stats", "verify", "repair"])
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_store)
+
     p = sub.add_parser("models", help="verify and convert the embedded default models (once)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_models)
@@ -254,7 +294,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--json", default=None, help="write results as JSON here")
-    p.add_argument("--plot", default=None, help="niah: write PNGs next to this path (-quality.png, -ttft.png)")
+    p.add_argument("--plot", default=None, help="write PNGs next to this path (niah: -quality, -ttft; ttft: -breakdown, -ratio)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("eval", help="QA from a JSON Lines file: every mode on the same examples")

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .chunking import encode_text
 from .config import PromptConfig
 from .models import LoadedModel
 from .recompute import decoder
@@ -41,15 +42,14 @@ def chat_template(lm: LoadedModel, prompt: PromptConfig) -> Template:
     return Template(prompt.system_prompt + "\n\n", "\n")
 
 
-def tokenize(lm: LoadedModel, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+def tokenize(lm: LoadedModel, text: str, special: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids [T] and character offsets [T, 2] of one segment, tokenized on its own.
 
-    Special tokens written in the text (a template's <|im_start|>) are parsed as such.
+    special=True only for template text (its <|im_start|> must be the special token); in user
+    content, special-token strings are split as plain text (see chunking.encode_text).
     """
-    enc = lm.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = torch.tensor(enc["input_ids"], dtype=torch.long)
-    offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)
-    return ids, offsets
+    ids, offsets = encode_text(lm.tokenizer, text, special)
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(offsets, dtype=torch.long).reshape(-1, 2)
 
 
 def _layers_kv(cache, start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -61,7 +61,7 @@ def _layers_kv(cache, start: int) -> tuple[list[torch.Tensor], list[torch.Tensor
 @torch.inference_mode()
 def encode_prefix(lm: LoadedModel, prefix: str) -> ChunkKV:
     """The prefix's own cache, prefilled from position 0."""
-    ids, offsets = tokenize(lm, prefix)
+    ids, offsets = tokenize(lm, prefix, special=True)
     if ids.numel() == 0:
         raise ValueError("the shared prefix tokenizes to nothing; set PromptConfig.system_prompt")
     out = decoder(lm)(input_ids=ids[None].to(lm.device), use_cache=True)

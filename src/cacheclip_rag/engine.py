@@ -173,8 +173,10 @@ class CacheClipEngine:
 
     def _frame(self, lm: LoadedModel) -> _Model:
         template = chat_template(lm, self.config.prompt)
-        prefix_ids, _ = tokenize(lm, template.prefix)
+        prefix_ids, _ = tokenize(lm, template.prefix, special=True)
         frame = _Model(lm, template, prefix_ids, _namespace(lm, prefix_ids))
+        role = "primary" if not hasattr(self, "primary") else "aux"
+        self.store.describe_namespace(frame.namespace, {"role": role, "model": lm.name, "fingerprint": lm.fingerprint})
         prefix = self.store.get_kv(frame.namespace, _PREFIX_KEY)
         if prefix is None or not torch.equal(prefix.token_ids, prefix_ids):
             self.store.put_kv(frame.namespace, _PREFIX_KEY, encode_prefix(lm, template.prefix))
@@ -231,6 +233,23 @@ class CacheClipEngine:
             self.store.put_kv(frame.namespace, _PREFIX_KEY, kv)
         return kv
 
+    def repair(self, progress: bool = True) -> dict:
+        """Heal the store: re-encode every missing or damaged cache from its chunk text, drop
+        leftover temporary files, re-index chunks the index lacks. Returns counts."""
+        report = self.store.verify()
+        for tmp in self.store.root.rglob(".tmp-*"):
+            tmp.unlink(missing_ok=True)
+        rebuilt = 0
+        chunks = self.store.chunks()
+        for chunk in tqdm(chunks, desc="repair", unit="chunk", disable=not progress):
+            for frame in (self.primary, self.aux):
+                if self.store.get_kv(frame.namespace, chunk.id) is None:
+                    self._encode_and_store(frame, chunk.id, chunk.text)
+                    rebuilt += 1
+        self.store.clear_memory()
+        self._open_corpus()
+        return {"checked": report["checked"], "damaged": len(report["damaged"]), "rebuilt": rebuilt, "chunks": len(chunks)}
+
     # ----- online ---------------------------------------------------------------------------
 
     def retrieve(self, question: str, k: int | None = None) -> list[tuple[str, float]]:
@@ -240,7 +259,13 @@ class CacheClipEngine:
             raise ValueError(f"k must be an integer in [1, 1024], got {k!r}")
         if len(self.index) == 0:
             raise ValueError("empty corpus: ingest documents before asking questions")
-        return self.index.search(question, k)
+        hits = self.index.search(question, k)
+        live = [(cid, score) for cid, score in hits if self.store.get_chunk(cid) is not None]
+        if len(live) < len(hits):
+            log.warning("chunk index holds %d ids whose texts are gone from the store; skipped", len(hits) - len(live))
+        if not live:
+            raise ValueError("no retrievable chunk: the index entries found have no text in the store (run `cacheclip store repair`)")
+        return live
 
     def answer(self, question: str, chunk_ids: list[str] | None = None, **kwargs) -> Answer:
         """Answer a question from the given chunks (their order kept) or the top-k retrieved.
@@ -387,8 +412,8 @@ class CacheClipEngine:
     # ----- running --------------------------------------------------------------------------
 
     def _layout(self, frame: _Model, request: _Request) -> Layout:
-        pieces = [*request.pieces[:-1], (request.pieces[-1][0] + frame.template.suffix, None)]
-        layout = build_layout(frame.prefix_ids, pieces, lambda text: tokenize(frame.lm, text))
+        tok = lambda text, special: tokenize(frame.lm, text, special)  # noqa: E731
+        layout = build_layout(frame.prefix_ids, request.pieces, tok, suffix=frame.template.suffix)
         limit = frame.lm.max_positions
         needed = layout.num_tokens + (request.options.max_new_tokens if frame is self.primary else 0)
         if needed > limit:
@@ -549,7 +574,7 @@ class CacheClipEngine:
         start = time.perf_counter()
         segments = layout.chunk_segments()
         aux_kvs = [self._chunk_kv(self.aux, seg.chunk_id, seg.text) for seg in segments]
-        query_ids, _ = tokenize(self.aux.lm, request.aux_query + self.aux.template.suffix)
+        query_ids = torch.cat([tokenize(self.aux.lm, request.aux_query)[0], tokenize(self.aux.lm, self.aux.template.suffix, True)[0]])
         query_ids = query_ids[-_MAX_AUX_QUERY_TOKENS:]
         self._check_aux_length(aux_kvs, query_ids)
         picks = select(self.aux.lm, self.config.select, request.ratio, self._prefix_kv(self.aux), aux_kvs, query_ids)

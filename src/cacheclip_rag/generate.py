@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from .chunking import decode_ids
 from .models import LoadedModel
 
 
@@ -80,7 +81,7 @@ def decode(lm: LoadedModel, step: Step, first_logits: torch.Tensor, opts: Decode
         if token in stops:
             break
         ids.append(token)
-        text = lm.tokenizer.decode(ids, skip_special_tokens=True)
+        text = decode_ids(lm.tokenizer, ids)
         cut = min((text.find(s) for s in opts.stop if s in text), default=-1)
         if cut >= 0:
             if cut > len(emitted):
@@ -95,6 +96,6 @@ def decode(lm: LoadedModel, step: Step, first_logits: torch.Tensor, opts: Decode
         if i + 1 == opts.max_new_tokens:
             break
         logits = step(token, i)
-    text = lm.tokenizer.decode(ids, skip_special_tokens=True)  # flush what was held back
+    text = decode_ids(lm.tokenizer, ids)  # flush what was held back
     if len(text) > len(emitted) and text.startswith(emitted):
         yield -1, text[len(emitted) :]

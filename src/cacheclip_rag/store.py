@@ -174,6 +174,74 @@ class KVStore:
             data = {"format": FORMAT_VERSION, "models": {**known, **fingerprints}}
             atomic_write(self.manifest_path, lambda p: Path(p).write_text(json.dumps(data, indent=2)))
 
+    def describe_namespace(self, namespace: str, info: dict) -> None:
+        """Record which model a namespace's caches belong to (for stats and verify)."""
+        manifest = self.read_manifest()
+        if manifest.get("namespaces", {}).get(namespace) == info:
+            return
+        manifest.setdefault("format", FORMAT_VERSION)
+        manifest.setdefault("namespaces", {})[namespace] = info
+        atomic_write(self.manifest_path, lambda p: Path(p).write_text(json.dumps(manifest, indent=2)))
+
+    # ----- inspection -----------------------------------------------------------------------
+
+    def usage(self) -> dict:
+        """Chunks and bytes on disk per namespace (reads the file system only)."""
+        texts = list((self.root / "texts").glob("*.json"))
+        out = {"chunks": len(texts), "text_bytes": sum(p.stat().st_size for p in texts), "namespaces": {}}
+        names = self.read_manifest().get("namespaces", {})
+        for folder in sorted((self.root / "kv").glob("*")):
+            files = list(folder.glob("*.safetensors"))
+            out["namespaces"][folder.name] = {
+                **names.get(folder.name, {}),
+                "caches": len(files),
+                "bytes": sum(p.stat().st_size for p in files),
+            }
+        return out
+
+    def verify(self) -> dict:
+        """Check every cache file (parse, names, every checksum) and every chunk text.
+
+        Returns {"checked": n, "damaged": [(namespace, file)], "orphans": [...],
+        "missing": {namespace: [chunk ids without a cache]}, "bad_texts": [files]}.
+        Nothing is changed; `repair` (on the engine) heals what this finds.
+        """
+        report = {"checked": 0, "damaged": [], "orphans": [], "missing": {}, "bad_texts": []}
+        chunk_ids = set()
+        for path in sorted((self.root / "texts").glob("*.json")):
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+                if path.name != f"{_hashed_name(data['id'])}.json" or not isinstance(data["text"], str):
+                    raise ValueError("name or text does not match")
+                chunk_ids.add(data["id"])
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                report["bad_texts"].append(f"{path.name}: {err}")
+        for folder in sorted((self.root / "kv").glob("*")):
+            have = set()
+            for path in sorted(folder.glob("*.safetensors")):
+                report["checked"] += 1
+                try:
+                    with safe_open(str(path), framework="pt") as fh:
+                        key = (fh.metadata() or {}).get("key", "")
+                    reader = LayerReader(path, folder.name, key)
+                    for i in range(reader.num_layers):
+                        reader.layer(i)
+                    reader.close()
+                    if path.name != f"{_hashed_name(key)}.safetensors":
+                        raise DamagedCacheError("file name does not match its key")
+                except (SafetensorError, OSError, ValueError, KeyError) as err:
+                    report["damaged"].append((folder.name, path.name, str(err)))
+                    continue
+                have.add(key)
+                if key not in chunk_ids and not key.startswith("__"):
+                    report["orphans"].append((folder.name, key))
+            missing = sorted(chunk_ids - have)
+            if missing:
+                report["missing"][folder.name] = missing
+        for tmp in self.root.rglob(".tmp-*"):
+            report["damaged"].append((tmp.parent.name, tmp.name, "leftover temporary file from an interrupted write"))
+        return report
+
     # ----- chunk texts ----------------------------------------------------------------------
 
     def _text_path(self, chunk_id: str) -> Path:

@@ -58,3 +58,19 @@ def ttft_breakdown(rows: list[dict], path: str | Path, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def ratio_curve(points: list[tuple[int, str, float, float]], path: str | Path, ylabel: str, title: str) -> None:
+    """(length, mode, ratio, value) points as one line per (mode, length)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for length, mode in sorted({(p[0], p[1]) for p in points}):
+        pts = sorted((p[2], p[3]) for p in points if (p[0], p[1]) == (length, mode))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{mode} ({length})")
+    ax.set_xlabel("recompute ratio")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

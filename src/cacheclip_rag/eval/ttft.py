@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
+import threading
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,8 +38,43 @@ class TTFTRow:
     load: float
     assemble: float
     recompute: float
+    selection_hidden: float
+    load_wait: float
+    peak_mb: float
     effective_fraction: float
     correct: float
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * _PAGE
+    except OSError:
+        return 0
+
+
+@contextmanager
+def peak_rss(result: list[float], interval: float = 0.005):
+    """Append the peak resident-set growth (MB) seen while the block runs (sampled)."""
+    base = peak = _rss()
+    stop = threading.Event()
+
+    def sample():
+        nonlocal peak
+        while not stop.wait(interval):
+            peak = max(peak, _rss())
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        result.append(max(0, max(peak, _rss()) - base) / 2**20)
 
 
 def _median(values: list[float]) -> float:
@@ -65,13 +103,15 @@ def run(
         ids = engine.ingest([context], progress=False)
         engine.answer(question, chunk_ids=ids, mode="cacheclip", max_new_tokens=1)  # warm-up
         samples: dict[tuple[str, float], list] = {m: [] for m in modes}
+        peaks: dict[tuple[str, float], list] = {m: [] for m in modes}
         for _ in range(runs):
             for mode, ratio in modes:
                 if cold:
                     engine.store.clear_memory()
-                samples[(mode, ratio)].append(
-                    engine.answer(question, chunk_ids=ids, mode=mode, recompute_ratio=ratio, max_new_tokens=max_new_tokens)
-                )
+                with peak_rss(peaks[(mode, ratio)]):
+                    samples[(mode, ratio)].append(
+                        engine.answer(question, chunk_ids=ids, mode=mode, recompute_ratio=ratio, max_new_tokens=max_new_tokens)
+                    )
         full_ttft = _median([a.timings["ttft"] for a in samples[("full", 1.0)]])
         for (mode, ratio), answers in samples.items():
             ttft = [a.timings["ttft"] for a in answers]
@@ -90,6 +130,9 @@ def run(
                     load=_median([a.timings["load"] for a in answers]),
                     assemble=_median([a.timings["assemble"] for a in answers]),
                     recompute=_median([a.timings["recompute"] for a in answers]),
+                    selection_hidden=_median([a.timings.get("selection_hidden", 0.0) for a in answers]),
+                    load_wait=_median([a.timings.get("load_wait", 0.0) for a in answers]),
+                    peak_mb=_median(peaks[(mode, ratio)]),
                     effective_fraction=answers[0].effective_fraction,
                     correct=sum(expected in a.text for a in answers) / len(answers),
                 )
@@ -100,16 +143,37 @@ def run(
 def table(rows: list[TTFTRow]) -> str:
     head = (
         f"{'len':>5} {'mode':<10} {'ratio':>5} {'tokens':>6} {'TTFT s':>7} {'[min-max]':>13} {'/full':>6} "
-        f"{'select':>6} {'load':>6} {'asm':>6} {'recomp':>6} {'eff%':>5} {'ok':>4}"
+        f"{'select':>6} {'hidden':>6} {'load':>6} {'asm':>6} {'wait':>6} {'recomp':>6} {'peakMB':>7} {'eff%':>5} {'ok':>4}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r.length:>5} {r.mode:<10} {r.ratio:>5.2f} {r.prompt_tokens:>6} {r.ttft_median:>7.3f} "
-            f"{f'[{r.ttft_min:.2f}-{r.ttft_max:.2f}]':>13} {r.vs_full:>6.3f} {r.selection:>6.3f} {r.load:>6.3f} "
-            f"{r.assemble:>6.3f} {r.recompute:>6.3f} {100 * r.effective_fraction:>5.1f} {r.correct:>4.2f}"
+            f"{f'[{r.ttft_min:.2f}-{r.ttft_max:.2f}]':>13} {r.vs_full:>6.3f} {r.selection:>6.3f} {r.selection_hidden:>6.3f} "
+            f"{r.load:>6.3f} {r.assemble:>6.3f} {r.load_wait:>6.3f} {r.recompute:>6.3f} {r.peak_mb:>7.1f} "
+            f"{100 * r.effective_fraction:>5.1f} {r.correct:>4.2f}"
         )
     return "\n".join(lines)
+
+
+def plot(rows: list[TTFTRow], path: str | Path) -> None:
+    """TTFT breakdown per mode and length (stacked) and TTFT/full vs ratio for cacheclip."""
+    from . import plots
+
+    stem = Path(path)
+    plots.ttft_breakdown(
+        [dict(label=r.mode if r.mode in ("full", "reuse", "ape") else f"{r.mode}@{r.ratio:g}", length=r.length,
+              selection=max(0.0, r.selection - r.selection_hidden), load=r.load, assemble=r.load_wait,
+              recompute=r.recompute, ttft=r.ttft_median) for r in rows],
+        stem.with_name(stem.stem + "-breakdown.png"),
+        title="TTFT breakdown (selection: the part not hidden; assemble: time waited for layers)",
+    )
+    plots.ratio_curve(
+        [(r.length, r.mode, r.ratio, r.vs_full) for r in rows if r.mode not in ("full", "reuse", "ape")],
+        stem.with_name(stem.stem + "-ratio.png"),
+        ylabel="TTFT / TTFT(full)",
+        title="TTFT relative to full prefill vs recompute ratio",
+    )
 
 
 def write_json(rows: list[TTFTRow], path: str | Path) -> None:
