@@ -49,3 +49,31 @@ def test_bad_input_exits_2_with_a_message(folders, tmp_path, capsys):
     assert main(["ingest", str(bad), *_args(folders, tmp_path / "s2")]) == 2
     assert "not valid UTF-8" in capsys.readouterr().err
     assert main(["ingest", str(tmp_path / "missing.txt"), *_args(folders, tmp_path / "s2")]) == 2
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    question=st.text(max_size=80),
+    ratio=st.one_of(st.sampled_from(["nan", "-1", "0.3", "inf", "1e9", "x"]), st.floats().map(str)),
+    payload=st.binary(max_size=200),
+)
+def test_fuzzed_command_line(folders, tmp_path_factory, question, ratio, payload):
+    tmp = tmp_path_factory.mktemp("fuzz")
+    doc = tmp / "doc.txt"
+    doc.write_bytes(payload)
+    store = tmp / "s"
+    code = cli_exit(["ingest", str(doc), "--quiet", *_args(folders, store)])
+    assert code in (0, 2)
+    code = cli_exit(["ask", question, "--ratio", ratio, "--max-new-tokens", "2", *_args(folders, store)])
+    assert code in (0, 2)
+
+
+def cli_exit(argv):
+    try:
+        return main(argv)
+    except SystemExit as exit_:  # argparse rejects malformed flags with exit status 2
+        return exit_.code
