@@ -9,7 +9,6 @@ RAG pipeline. Per-call options: `recompute_ratio`, `mode`, `chunk_ids`, `k`, `ma
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import asdict
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -18,16 +17,7 @@ from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.runnables.config import run_in_executor
 from pydantic import ConfigDict, Field
 
-_CALL_OPTIONS = ("recompute_ratio", "mode", "chunk_ids", "k", "max_new_tokens", "temperature")
-
-
-def _info(answer) -> dict[str, Any]:
-    """What a caller needs to see that reuse happened; attached as generation_info."""
-    data = asdict(answer)
-    data.pop("text")
-    data.pop("recomputed")
-    data["reused_chunk_ids"] = data.pop("chunk_ids")
-    return data
+from cacheclip_rag.engine import request_options
 
 
 class CacheClipLLM(BaseLLM):
@@ -81,25 +71,11 @@ class CacheClipLLM(BaseLLM):
             "max_new_tokens": self.max_new_tokens,
         }
 
-    def _options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
-        unknown = set(kwargs) - set(_CALL_OPTIONS)
-        if unknown:
-            raise ValueError(f"unknown options {sorted(unknown)}; CacheClipLLM takes {list(_CALL_OPTIONS)}")
-        opts = {
-            "mode": self.mode,
-            "recompute_ratio": self.recompute_ratio,
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "k": self.k,
-            "retrieve": self.retrieve,
-            "stop": stop,
-        }
-        opts.update(kwargs)
-        return opts
-
     def _start(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]):
-        opts = self._options(stop, kwargs)
-        return self.engine.stream_generate(prompt, opts.pop("chunk_ids", None), **opts)
+        defaults = {"mode": self.mode, "recompute_ratio": self.recompute_ratio, "max_new_tokens": self.max_new_tokens,
+                    "temperature": self.temperature, "k": self.k}
+        opts = request_options(defaults, kwargs)
+        return self.engine.stream_generate(prompt, opts.pop("chunk_ids", None), retrieve=self.retrieve, stop=stop, **opts)
 
     def _generate(
         self,
@@ -114,7 +90,7 @@ class CacheClipLLM(BaseLLM):
             for piece in stream:
                 if run_manager:
                     run_manager.on_llm_new_token(piece)
-            generations.append([Generation(text=stream.answer.text, generation_info=_info(stream.answer))])
+            generations.append([Generation(text=stream.answer.text, generation_info=stream.answer.metadata())])
         return LLMResult(generations=generations, llm_output={"model": self._llm_type})
 
     def _stream(
@@ -130,7 +106,7 @@ class CacheClipLLM(BaseLLM):
             if run_manager:
                 run_manager.on_llm_new_token(piece, chunk=chunk)
             yield chunk
-        yield GenerationChunk(text="", generation_info=_info(stream.answer))
+        yield GenerationChunk(text="", generation_info=stream.answer.metadata())
 
     async def _agenerate(
         self,
@@ -166,4 +142,4 @@ class CacheClipLLM(BaseLLM):
             if run_manager:
                 await run_manager.on_llm_new_token(piece, chunk=chunk)
             yield chunk
-        yield GenerationChunk(text="", generation_info=_info(stream.answer))
+        yield GenerationChunk(text="", generation_info=stream.answer.metadata())

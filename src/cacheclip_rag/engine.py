@@ -37,6 +37,8 @@ from .store import ChunkKV, KVStore
 log = logging.getLogger(__name__)
 
 _PREFIX_KEY = "__shared_prefix__"
+REQUEST_OPTIONS = ("recompute_ratio", "mode", "chunk_ids", "k", "max_new_tokens", "temperature", "epic_tokens", "seed")
+"""Per-request options every entry point (and every framework adapter) accepts."""
 _MAX_AUX_QUERY_TOKENS = 256
 
 
@@ -63,6 +65,29 @@ class Answer:
     computed_tokens: int
     effective_fraction: float
     generated_tokens: int
+
+    def metadata(self) -> dict:
+        """Everything but the text and the row list: what a caller needs to see reuse happened."""
+        return {
+            "reused_chunk_ids": list(self.chunk_ids),
+            "mode": self.mode,
+            "recompute_ratio": self.recompute_ratio,
+            "timings": dict(self.timings),
+            "prompt_tokens": self.prompt_tokens,
+            "context_tokens": self.context_tokens,
+            "cached_tokens": self.cached_tokens,
+            "computed_tokens": self.computed_tokens,
+            "effective_fraction": self.effective_fraction,
+            "generated_tokens": self.generated_tokens,
+        }
+
+
+def request_options(defaults: dict, overrides: dict) -> dict:
+    """Merge per-call overrides into an adapter's defaults; unknown options are a ValueError."""
+    unknown = set(overrides) - set(REQUEST_OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown options {sorted(unknown)}; expected some of {list(REQUEST_OPTIONS)}")
+    return {**defaults, **overrides}
 
 
 class AnswerStream:

@@ -305,6 +305,16 @@ class KVStore:
 
     def get_kv(self, namespace: str, key: str) -> ChunkKV | None:
         """The cache of `key`, or None when it is missing or was damaged (and is now removed)."""
+        return self._lookup(namespace, key, whole=True)
+
+    def open_layers(self, namespace: str, key: str) -> ChunkKV | LayerReader | None:
+        """For layer-wise loading: the cache from the memory tier (all layers at hand), or a
+        reader that loads and verifies one layer at a time, or None when the file is missing or
+        damaged (then removed). Token ids and offsets are read and verified at once."""
+        return self._lookup(namespace, key, whole=False)
+
+    def _lookup(self, namespace: str, key: str, whole: bool) -> ChunkKV | LayerReader | None:
+        """Memory tier first, then the file: read whole (and remembered) or opened for layers."""
         with self._lock:
             hit = self._memory.get((namespace, key))
             if hit is not None:
@@ -317,14 +327,15 @@ class KVStore:
                 self.stats.misses += 1
             return None
         try:
-            kv = self._read(path, namespace, key)
+            found = self._read(path, namespace, key) if whole else LayerReader(path, namespace, key)
         except (SafetensorError, OSError, ValueError, KeyError) as err:
             self.discard(namespace, key, err)
             return None
         with self._lock:
             self.stats.disk_hits += 1
-            self._remember((namespace, key), kv)
-        return kv
+            if whole:
+                self._remember((namespace, key), found)
+        return found
 
     @staticmethod
     def _read(path: Path, namespace: str, key: str) -> ChunkKV:
@@ -334,30 +345,6 @@ class KVStore:
         finally:
             reader.close()
         return ChunkKV([k for k, _ in layers], [v for _, v in layers], reader.token_ids, reader.offsets, reader.start_pos)
-
-    def open_layers(self, namespace: str, key: str) -> ChunkKV | LayerReader | None:
-        """For layer-wise loading: the cache from the memory tier (all layers at hand), or a
-        reader that loads and verifies one layer at a time, or None when the file is missing or
-        damaged (then removed). Token ids and offsets are read and verified at once."""
-        with self._lock:
-            hit = self._memory.get((namespace, key))
-            if hit is not None:
-                self._memory.move_to_end((namespace, key))
-                self.stats.memory_hits += 1
-                return hit
-        path = self.kv_path(namespace, key)
-        if not path.exists():
-            with self._lock:
-                self.stats.misses += 1
-            return None
-        try:
-            reader = LayerReader(path, namespace, key)
-        except (SafetensorError, OSError, ValueError, KeyError) as err:
-            self.discard(namespace, key, err)
-            return None
-        with self._lock:
-            self.stats.disk_hits += 1
-        return reader
 
     def discard(self, namespace: str, key: str, why: object) -> None:
         """Remove a damaged cache file (it is rebuilt from the chunk text on next use)."""

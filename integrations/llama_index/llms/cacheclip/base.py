@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict
 from typing import Any
 
 from llama_index.core.base.embeddings.base import BaseEmbedding
@@ -21,15 +20,7 @@ from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import BaseNode, MetadataMode, TextNode
 from pydantic import ConfigDict, Field, PrivateAttr
 
-_CALL_OPTIONS = ("recompute_ratio", "mode", "chunk_ids", "k", "max_new_tokens", "temperature")
-
-
-def _info(answer) -> dict[str, Any]:
-    data = asdict(answer)
-    data.pop("text")
-    data.pop("recomputed")
-    data["reused_chunk_ids"] = data.pop("chunk_ids")
-    return data
+from cacheclip_rag.engine import request_options
 
 
 class CacheClipLLM(CustomLLM):
@@ -74,26 +65,17 @@ class CacheClipLLM(CustomLLM):
 
     def _start(self, prompt: str, kwargs: dict[str, Any]):
         kwargs = {key: v for key, v in kwargs.items() if key != "formatted"}
-        unknown = set(kwargs) - set(_CALL_OPTIONS)
-        if unknown:
-            raise ValueError(f"unknown options {sorted(unknown)}; CacheClipLLM takes {list(_CALL_OPTIONS)}")
-        opts = dict(
-            mode=self.mode,
-            recompute_ratio=self.recompute_ratio,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            k=self.k,
-            retrieve=self.retrieve,
-        )
-        opts.update(kwargs)
-        return self.engine.stream_generate(prompt, opts.pop("chunk_ids", None), **opts)
+        defaults = {"mode": self.mode, "recompute_ratio": self.recompute_ratio, "max_new_tokens": self.max_new_tokens,
+                    "temperature": self.temperature, "k": self.k}
+        opts = request_options(defaults, kwargs)
+        return self.engine.stream_generate(prompt, opts.pop("chunk_ids", None), retrieve=self.retrieve, **opts)
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         stream = self._start(prompt, kwargs)
         for _ in stream:
             pass
-        return CompletionResponse(text=stream.answer.text, additional_kwargs=_info(stream.answer))
+        return CompletionResponse(text=stream.answer.text, additional_kwargs=stream.answer.metadata())
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
@@ -104,7 +86,7 @@ class CacheClipLLM(CustomLLM):
             for piece in stream:
                 text += piece
                 yield CompletionResponse(text=text, delta=piece)
-            yield CompletionResponse(text=text, delta="", additional_kwargs=_info(stream.answer))
+            yield CompletionResponse(text=text, delta="", additional_kwargs=stream.answer.metadata())
 
         return gen()
 
@@ -113,7 +95,7 @@ class CacheClipLLM(CustomLLM):
         """Runs in a worker thread: the event loop stays free."""
         stream = await asyncio.to_thread(self._start, prompt, kwargs)
         await asyncio.to_thread(lambda: [None for _ in stream])
-        return CompletionResponse(text=stream.answer.text, additional_kwargs=_info(stream.answer))
+        return CompletionResponse(text=stream.answer.text, additional_kwargs=stream.answer.metadata())
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
@@ -125,7 +107,7 @@ class CacheClipLLM(CustomLLM):
             while (piece := await asyncio.to_thread(next, stream, done)) is not done:
                 text += piece
                 yield CompletionResponse(text=text, delta=piece)
-            yield CompletionResponse(text=text, delta="", additional_kwargs=_info(stream.answer))
+            yield CompletionResponse(text=text, delta="", additional_kwargs=stream.answer.metadata())
 
         return gen()
 
@@ -195,4 +177,4 @@ class CacheClipQueryEngine(CustomQueryEngine):
             recompute_ratio=self.llm.recompute_ratio,
             max_new_tokens=self.llm.max_new_tokens,
         )
-        return Response(response=answer.text, source_nodes=nodes, metadata=_info(answer))
+        return Response(response=answer.text, source_nodes=nodes, metadata=answer.metadata())
