@@ -17,9 +17,15 @@ log = logging.getLogger("cacheclip_rag")
 
 
 def _engine(args, chunk: ChunkConfig | None = None):
+    from .config import SelectConfig
     from .engine import CacheClipEngine
 
-    cfg = EngineConfig(chunk=chunk or ChunkConfig(), top_k=getattr(args, "k", None) or EngineConfig().top_k)
+    layers = getattr(args, "score_layers", None)
+    cfg = EngineConfig(
+        chunk=chunk or ChunkConfig(),
+        top_k=getattr(args, "k", None) or EngineConfig().top_k,
+        select=SelectConfig(score_layers=tuple(layers) if layers else None),
+    )
     log.info("loading %s (primary) and %s (aux)", args.primary, args.aux)
     return CacheClipEngine.from_pretrained(primary=args.primary, aux=args.aux, store_dir=args.store, config=cfg)
 
@@ -133,6 +139,21 @@ def cmd_models(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from .calibrate import table
+
+    engine = _engine(args)
+    profile, scores = engine.calibrate(tuple(args.lengths), args.samples)
+    print(table(scores, engine.aux.lm.num_layers))
+    last = profile["last_layer"]
+    print(f"\nprofile for {profile['primary_name']} + {profile['aux_name']}: aux layers {profile['aux_layers']} "
+          f"(Jaccard {profile['jaccard']:.3f}, recall {profile['recall']:.3f}); the last layer ranks "
+          f"{last['rank']} of {profile['candidates']} (Jaccard {last['jaccard']:.3f}). Saved to {engine.store.profile_path}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"profile": profile, "scores": [s.__dict__ for s in scores]}, indent=2))
+    return 0
+
+
 def cmd_store(args) -> int:
     from .store import KVStore
 
@@ -147,6 +168,12 @@ def cmd_store(args) -> int:
             print(f"  {info.get('role', '?'):<8} {info.get('model', '?'):<32} {info['caches']:>6} caches "
                   f"{info['bytes'] / 2**20:>9.1f} MB  (namespace {ns[:12]}, fingerprint {info.get('fingerprint', '?')[:12]})")
         print("  memory tier: in-process, per engine (StoreConfig.memory_bytes); hit rates in `bench ttft` output")
+        profile = store.read_profile()
+        if profile:
+            print(f"  selection profile: aux layers {profile['aux_layers']} for {profile['primary_name']} + "
+                  f"{profile['aux_name']} (Jaccard {profile['jaccard']:.3f}, calibrated {profile['created']})")
+        else:
+            print("  selection profile: none (the aux model's last layer scores tokens; run `cacheclip calibrate`)")
         return 0
     if args.action == "verify":
         report = store.verify()
@@ -203,9 +230,12 @@ def cmd_bench(args) -> int:
 
     modes = _mode_list(args.modes or ["full", "reuse", "ape", "cacheblend", "epic", "random", "cacheclip"], args.ratios)
     results = needle.run(engine, modes, variants=args.variants, lengths=args.lengths, samples=args.samples,
-                         seed=args.seed, max_new_tokens=args.max_new_tokens, progress=lambda m: log.info(m))
+                         seed=args.seed, max_new_tokens=args.max_new_tokens, progress=lambda m: log.info(m),
+                         budget=args.budget)
     rows = needle.summarize(results)
     print(needle.table(rows))
+    if any(m == "oracle" for m, _ in modes):
+        print("* oracle: analysis only; it selects with the primary's own attention from a full prefill")
     if args.json:
         needle.write_json(results, rows, args.json)
     if args.plot:
@@ -271,6 +301,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.set_defaults(func=cmd_demo)
 
+    p = sub.add_parser("calibrate", help="choose the aux scoring layers for a model pair; saves a profile in the store")
+    _common(p)
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024])
+    p.add_argument("--samples", type=int, default=8, help="calibration inputs per length (seeds disjoint from evaluation)")
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=cmd_calibrate)
+
     p = sub.add_parser("store", help="inspect or heal a store: stats, verify, repair")
     _common(p)
     p.add_argument("action", choices=["stats", "verify", "repair"])
@@ -288,6 +325,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", default=None, help=f"modes to compare (from {list(MODES)}); full is always run")
     p.add_argument("--ratios", type=float, nargs="+", default=[0.2], help="recompute ratios for ratio modes")
     p.add_argument("--variants", nargs="+", default=None, help="needle variants (default: all eight)")
+    p.add_argument("--budget", choices=["paper", "keep"], default="paper", help="selection budget rule")
+    p.add_argument("--score-layers", type=int, nargs="+", default=None, help="aux scoring layers (default: profile or last)")
     p.add_argument("--samples", type=int, default=5, help="samples per variant and length")
     p.add_argument("--runs", type=int, default=5, help="ttft: runs per mode")
     p.add_argument("--seed", type=int, default=0)

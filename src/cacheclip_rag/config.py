@@ -11,13 +11,15 @@ from typing import Any
 
 import torch
 
-MODES = ("full", "reuse", "ape", "cacheblend", "epic", "random", "cacheclip")
+MODES = ("full", "reuse", "ape", "cacheblend", "epic", "random", "cacheclip", "oracle")
 """Ways of building the KV cache for a request; all run on the identical token sequence.
 
 full: ordinary prefill. reuse: chunk caches concatenated with one shared prefix. ape: chunks at
 parallel positions with APE's attention temperature and scale. cacheblend: recompute the first
 layer for all chunk tokens, keep those whose K/V deviates most at the check layer. epic: the
 first tokens of every chunk. random: a uniform random selection. cacheclip: aux-guided selection.
+oracle (analysis only): selects by the primary model's own last-layer attention from a full
+prefill, so it costs more than full; it shows what a perfect-alignment selector would choose.
 """
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -45,14 +47,20 @@ class ChunkConfig:
 
 @dataclass(frozen=True)
 class SelectConfig:
-    """CacheClip token selection: aux scoring layer and sliding-window grouping.
+    """CacheClip token selection: how aux attention becomes one score per token, and grouping.
 
-    score_layer: aux layer whose query-to-chunk attention scores tokens; -1 is the last layer
-        (the paper's choice).
+    score_layers: aux layers whose query-to-chunk attention is averaged; None means the model
+        pair's calibrated profile when the store has one, else the last layer (the paper's choice).
+    head_agg, row_agg: aggregation over heads and over query rows ("mean" or "max").
+    normalize: "none" keeps each chunk's scores as the softmax gave them (each chunk had its own
+        softmax over prefix + chunk + query); "chunk" rescales each chunk's scores to sum 1.
     window, tau: grouping window w and density threshold tau (paper defaults 8 and 5).
     """
 
-    score_layer: int = -1
+    score_layers: tuple[int, ...] | None = None
+    head_agg: str = "mean"
+    row_agg: str = "mean"
+    normalize: str = "none"
     window: int = 8
     tau: int = 5
 
@@ -61,8 +69,20 @@ class SelectConfig:
         _check_positive("tau", self.tau)
         if self.tau > self.window:
             raise ValueError(f"tau must be <= window ({self.window}), got {self.tau}")
-        if not isinstance(self.score_layer, int):
-            raise ValueError(f"score_layer must be an int layer index, got {self.score_layer!r}")
+        if self.score_layers is not None:
+            if isinstance(self.score_layers, int) or not self.score_layers or not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in self.score_layers
+            ):
+                raise ValueError(f"score_layers must be a non-empty tuple of layer indices or None, got {self.score_layers!r}")
+            object.__setattr__(self, "score_layers", tuple(self.score_layers))
+        for name, allowed in (("head_agg", ("mean", "max")), ("row_agg", ("mean", "max")), ("normalize", ("none", "chunk"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
+
+
+BUDGETS = ("paper", "keep")
+"""paper: top-k candidates, then grouping, whatever remains. keep: candidates are added in
+score order until the grouped set reaches the requested fraction."""
 
 
 @dataclass(frozen=True)
@@ -215,6 +235,12 @@ def check_ratio(ratio: float) -> float:
     if not 0.0 <= value <= 1.0:  # also rejects NaN
         raise ValueError(f"recompute_ratio must be in [0, 1], got {ratio!r}")
     return value
+
+
+def check_budget(budget: str) -> str:
+    if budget not in BUDGETS:
+        raise ValueError(f"budget must be one of {list(BUDGETS)}, got {budget!r}")
+    return budget
 
 
 def check_mode(mode: str) -> str:

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from . import models as model_lib
 from .assemble import Layout, ape_positions, build_layout
 from .chunking import Chunk, chunk_id, split_document
-from .config import EngineConfig, check_mode, check_ratio
+from .config import EngineConfig, check_budget, check_mode, check_ratio
 from .encode import Template, chat_template, encode_prefix, encode_segment, tokenize
 from .generate import DecodeOptions, Step, decode, hf_step
 from .index import ChunkIndex
@@ -31,13 +31,15 @@ from .models import LoadedModel
 from .recognize import ChunkMatcher
 from .pipeline import LayerFeeder
 from .recompute import ApeSpec, AssembledCache, BlendSpec, recompute_rows
-from .select import map_tokens, select
+from .select import attention_from_rows, map_tokens, pick, select
 from .store import ChunkKV, KVStore
 
 log = logging.getLogger(__name__)
 
 _PREFIX_KEY = "__shared_prefix__"
-REQUEST_OPTIONS = ("recompute_ratio", "mode", "chunk_ids", "k", "max_new_tokens", "temperature", "epic_tokens", "seed")
+REQUEST_OPTIONS = (
+    "recompute_ratio", "mode", "chunk_ids", "k", "max_new_tokens", "temperature", "epic_tokens", "seed", "budget",
+)
 """Per-request options every entry point (and every framework adapter) accepts."""
 _MAX_AUX_QUERY_TOKENS = 256
 
@@ -143,6 +145,7 @@ class _Request:
     options: DecodeOptions
     epic_tokens: int | None = None
     seed: int = 0
+    budget: str = "paper"
     trace: list[dict] = field(default_factory=list)
     """CacheClip's per-chunk selection (aux scores, kept tokens, recomputed primary tokens)."""
     timings: dict[str, float] = field(default_factory=dict)
@@ -275,6 +278,15 @@ class CacheClipEngine:
         self._open_corpus()
         return {"checked": report["checked"], "damaged": len(report["damaged"]), "rebuilt": rebuilt, "chunks": len(chunks)}
 
+    def calibrate(self, lengths: tuple[int, ...] = (1024,), samples: int = 8) -> tuple[dict, list]:
+        """Calibrate the aux scoring layers for this model pair and store the profile (used by
+        default from now on). Returns (profile, candidate scores)."""
+        from .calibrate import calibrate
+
+        profile, scores = calibrate(self.primary.lm, self.aux.lm, lengths, samples)
+        self.store.write_profile(profile)
+        return profile, scores
+
     # ----- online ---------------------------------------------------------------------------
 
     def retrieve(self, question: str, k: int | None = None) -> list[tuple[str, float]]:
@@ -297,7 +309,9 @@ class CacheClipEngine:
 
         kwargs: k; mode (see cacheclip_rag.config.MODES); recompute_ratio in [0, 1]; max_new_tokens;
         temperature (0 = greedy); stop strings; epic_tokens (epic mode: tokens per chunk, default
-        ceil(ratio x chunk length)); seed (sampling and the random mode).
+        ceil(ratio x chunk length)); seed (sampling and the random mode); budget ("paper": top-k
+        candidates then grouping; "keep": grow the candidates until the grouped set reaches the
+        ratio).
         """
         return self._finish(*self._collect(self._question_request(question, chunk_ids, **kwargs)))
 
@@ -341,7 +355,7 @@ class CacheClipEngine:
 
     # ----- request building -----------------------------------------------------------------
 
-    def _request(self, mode, recompute_ratio, max_new_tokens, temperature, stop, epic_tokens, seed) -> dict:
+    def _request(self, mode, recompute_ratio, max_new_tokens, temperature, stop, epic_tokens, seed, budget) -> dict:
         """Validate the per-request options shared by every entry point."""
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         opts = DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, stop=stop, seed=seed)
@@ -349,7 +363,8 @@ class CacheClipEngine:
             raise ValueError(f"epic_tokens must be a non-negative integer or None, got {epic_tokens!r}")
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"seed must be an integer, got {seed!r}")
-        return dict(mode=check_mode(mode), ratio=check_ratio(recompute_ratio), options=opts, epic_tokens=epic_tokens, seed=seed)
+        return dict(mode=check_mode(mode), ratio=check_ratio(recompute_ratio), options=opts, epic_tokens=epic_tokens,
+                    seed=seed, budget=check_budget(budget))
 
     def _question_request(
         self,
@@ -364,10 +379,11 @@ class CacheClipEngine:
         stop: str | list[str] | None = None,
         epic_tokens: int | None = None,
         seed: int = 0,
+        budget: str = "paper",
     ) -> _Request:
         if not isinstance(question, str) or not question.strip():
             raise ValueError(f"question must be a non-empty string, got {question!r}")
-        common = self._request(mode, recompute_ratio, max_new_tokens, temperature, stop, epic_tokens, seed)
+        common = self._request(mode, recompute_ratio, max_new_tokens, temperature, stop, epic_tokens, seed, budget)
         if chunk_ids is None:
             chunk_ids = [cid for cid, _ in self.retrieve(question, k)]
         chunk_ids = self._check_ids(chunk_ids)
@@ -393,10 +409,11 @@ class CacheClipEngine:
         stop: str | list[str] | None = None,
         epic_tokens: int | None = None,
         seed: int = 0,
+        budget: str = "paper",
     ) -> _Request:
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
-        common = self._request(mode, recompute_ratio, max_new_tokens, temperature, stop, epic_tokens, seed)
+        common = self._request(mode, recompute_ratio, max_new_tokens, temperature, stop, epic_tokens, seed, budget)
         only = set(self._check_ids(chunk_ids)) if chunk_ids is not None else None
         found = self.matcher.find(prompt, only)
         if chunk_ids is not None:
@@ -573,6 +590,8 @@ class CacheClipEngine:
                 n = request.epic_tokens if request.epic_tokens is not None else math.ceil(ratio * (seg.end - seg.start))
                 parts.append(torch.arange(seg.start, min(seg.end, seg.start + n)))
             return torch.cat(parts), None, None
+        if mode == "oracle":
+            return self._oracle_rows(self.primary.lm, layout, request), None, None
         if mode == "random":
             gen = torch.Generator().manual_seed(request.seed)
             k = round(ratio * chunk_rows.numel())
@@ -594,6 +613,28 @@ class CacheClipEngine:
 
         return step
 
+    @property
+    def score_layers(self) -> tuple[int, ...]:
+        """Aux scoring layers: the config's, else the calibrated profile of this pair, else the last."""
+        if self.config.select.score_layers is not None:
+            return self.config.select.score_layers
+        profile = self.profile
+        return tuple(profile["aux_layers"]) if profile else (-1,)
+
+    @property
+    def profile(self) -> dict | None:
+        """The calibrated model-pair profile stored with the store, if it is for these models."""
+        return self.store.read_profile(self.primary.lm.fingerprint, self.aux.lm.fingerprint)
+
+    def _oracle_rows(self, lm: LoadedModel, layout: Layout, request: _Request) -> torch.Tensor:
+        """Analysis only: select by the primary's own last-layer attention from a full prefill."""
+        segments = layout.chunk_segments()
+        query_rows = torch.arange(segments[-1].end, layout.num_tokens)
+        attention = attention_from_rows(lm, layout.input_ids, query_rows, [-1])[-1]
+        scores = [attention[seg.start : seg.end] for seg in segments]
+        picks = pick(scores, request.ratio, self.config.select, request.budget)
+        return torch.cat([seg.start + torch.nonzero(p.kept).flatten() for seg, p in zip(segments, picks)])
+
     def _aux_select(self, layout: Layout, request: _Request):
         """CacheClip on the aux model (thread-safe): per chunk (aux cache, selection); seconds taken."""
         start = time.perf_counter()
@@ -602,7 +643,8 @@ class CacheClipEngine:
         query_ids = torch.cat([tokenize(self.aux.lm, request.aux_query)[0], tokenize(self.aux.lm, self.aux.template.suffix, True)[0]])
         query_ids = query_ids[-_MAX_AUX_QUERY_TOKENS:]
         self._check_aux_length(aux_kvs, query_ids)
-        picks = select(self.aux.lm, self.config.select, request.ratio, self._prefix_kv(self.aux), aux_kvs, query_ids)
+        picks = select(self.aux.lm, self.config.select, request.ratio, self._prefix_kv(self.aux), aux_kvs, query_ids,
+                       layers=self.score_layers, budget=request.budget)
         return list(zip(segments, aux_kvs, picks)), time.perf_counter() - start
 
     def _map_selection(self, layout: Layout, picks, sources: dict, request: _Request) -> torch.Tensor:

@@ -31,24 +31,34 @@ class ChunkSelection:
     kept: torch.Tensor
 
 
-def _scoring_layer(aux: LoadedModel, layer: int) -> int:
+def scoring_layers(aux: LoadedModel, layers: tuple[int, ...]) -> list[int]:
     n = aux.num_layers
-    if not -n <= layer < n:
-        raise ValueError(f"score_layer {layer} is outside the aux model's {n} layers")
-    return layer % n
+    bad = [layer for layer in layers if not -n <= layer < n]
+    if bad:
+        raise ValueError(f"score layers {bad} are outside the aux model's {n} layers")
+    return sorted({layer % n for layer in layers})
 
 
 @torch.inference_mode()
 def score_chunks(
-    aux: LoadedModel, prefix_kv: ChunkKV, chunk_kvs: list[ChunkKV], query_ids: torch.Tensor, score_layer: int = -1
+    aux: LoadedModel,
+    prefix_kv: ChunkKV,
+    chunk_kvs: list[ChunkKV],
+    query_ids: torch.Tensor,
+    layers: tuple[int, ...] = (-1,),
+    head_agg: str = "mean",
+    row_agg: str = "mean",
 ) -> list[torch.Tensor]:
-    """Aux attention of the query over each chunk's tokens.
+    """Aux attention of the query over each chunk's tokens, averaged over the scoring layers.
 
     prefix_kv: aux cache of the prefix (positions [0, P)); chunk_kvs: aux caches of the chunks,
-    each prefilled after that prefix; query_ids: [Q] aux tokens of the query.
+    each prefilled after that prefix; query_ids: [Q] aux tokens of the query. Only the query
+    rows are computed, and only up to the deepest scoring layer.
     Returns one fp32 tensor [L_i] per chunk.
     """
-    stop = _scoring_layer(aux, score_layer)
+    wanted = scoring_layers(aux, layers)
+    stop = wanted[-1]
+    collected: list[list[torch.Tensor]] = []
     base = decoder(aux)
     b = len(chunk_kvs)
     p, q_len = prefix_kv.num_tokens, int(query_ids.numel())
@@ -72,8 +82,10 @@ def score_chunks(
     for layer_idx, layer in enumerate(base.layers):
         q, k, v = layer_qkv(layer, h, cos, sin)
         keys = _batched(prefix_kv.keys[layer_idx], [kv.keys[layer_idx] for kv in chunk_kvs], l_max, k)
+        if layer_idx in wanted:
+            collected.append(_query_to_chunk(q, keys, mask, layer.self_attn.scaling, p, lens, head_agg, row_agg))
         if layer_idx == stop:
-            return _query_to_chunk(q, keys, mask, layer.self_attn.scaling, p, lens)
+            return [torch.stack(per_layer).mean(dim=0) for per_layer in zip(*collected)]
         values = _batched(prefix_kv.values[layer_idx], [kv.values[layer_idx] for kv in chunk_kvs], l_max, v)
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, scale=layer.self_attn.scaling, enable_gqa=q.shape[1] != keys.shape[1]
@@ -95,14 +107,18 @@ def _batched(prefix: torch.Tensor, chunks: list[torch.Tensor], l_max: int, query
 
 
 def _query_to_chunk(
-    q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float, p: int, lens: torch.Tensor
+    q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float, p: int, lens: torch.Tensor,
+    head_agg: str = "mean", row_agg: str = "mean",
 ) -> list[torch.Tensor]:
-    """Softmax attention of query rows over all visible keys; mean over heads and rows of the chunk columns."""
+    """Softmax attention of query rows over all visible keys, aggregated over heads then rows;
+    the chunk columns of each batch row."""
     group = q.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(group, dim=1)
     logits = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale  # [B, H, Q, n_keys]
     logits = logits.masked_fill(~mask, float("-inf"))
-    probs = logits.softmax(dim=-1).mean(dim=(1, 2))  # [B, n_keys]
+    probs = logits.softmax(dim=-1)
+    probs = probs.mean(dim=1) if head_agg == "mean" else probs.amax(dim=1)  # [B, Q, n_keys]
+    probs = probs.mean(dim=1) if row_agg == "mean" else probs.amax(dim=1)  # [B, n_keys]
     return [probs[i, p : p + int(n)].cpu() for i, n in enumerate(lens)]
 
 
@@ -155,6 +171,44 @@ def map_tokens(src_offsets: torch.Tensor, src_selected: torch.Tensor, dst_offset
     return (cum[ends] - cum[starts]) > 0
 
 
+def keep_budget(scores: list[torch.Tensor], ratio: float, window: int, tau: int) -> list[torch.Tensor]:
+    """Budget-keeping: the fewest top-scored candidates whose grouped set reaches ratio x tokens.
+
+    Grouping only grows as candidates are added (a window that passes keeps passing and new
+    candidates open new windows), so a binary search over the candidate count finds the step
+    where the grouped size crosses the target; the side of that step closer to the target is
+    returned, so the kept total is within one window of it. Returns one kept mask per chunk.
+    """
+    sizes = [int(s.numel()) for s in scores]
+    total = sum(sizes)
+    target = round(ratio * total)
+    if target <= 0:
+        return [torch.zeros(n, dtype=torch.bool) for n in sizes]
+    order = torch.argsort(torch.cat(scores), descending=True, stable=True)
+
+    def grouped(k: int) -> list[torch.Tensor]:
+        flat = torch.zeros(total, dtype=torch.bool)
+        flat[order[:k]] = True
+        return [group_window(c, window, tau) for c in flat.split(sizes)]
+
+    def size(kept: list[torch.Tensor]) -> int:
+        return sum(int(m.sum()) for m in kept)
+
+    everything = grouped(total)
+    if size(everything) < target:  # chunks shorter than tau can never pass a window
+        return everything
+    lo, hi = 1, total
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if size(grouped(mid)) >= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    over, under = grouped(lo), grouped(lo - 1)
+    # One more candidate can add up to two windows of tokens; take whichever side is closer.
+    return over if size(over) - target <= target - size(under) else under
+
+
 def select(
     aux: LoadedModel,
     cfg: SelectConfig,
@@ -162,10 +216,56 @@ def select(
     aux_prefix: ChunkKV,
     aux_chunks: list[ChunkKV],
     query_ids: torch.Tensor,
+    layers: tuple[int, ...] = (-1,),
+    budget: str = "paper",
 ) -> list[ChunkSelection]:
     """Score, pick candidates and group, per chunk, in aux token space."""
-    scores = score_chunks(aux, aux_prefix, aux_chunks, query_ids, cfg.score_layer)
+    scores = score_chunks(aux, aux_prefix, aux_chunks, query_ids, layers, cfg.head_agg, cfg.row_agg)
+    if cfg.normalize == "chunk":
+        scores = [s / s.sum() if s.sum() > 0 else s for s in scores]
+    return pick(scores, ratio, cfg, budget)
+
+
+def pick(scores: list[torch.Tensor], ratio: float, cfg: SelectConfig, budget: str = "paper") -> list[ChunkSelection]:
+    """Scores -> candidates -> kept tokens, under the paper's rule or budget-keeping."""
+    if budget == "keep":
+        kept = keep_budget(scores, ratio, cfg.window, cfg.tau)
+        return [ChunkSelection(s, k.clone(), k) for s, k in zip(scores, kept)]
     candidates = top_k_candidates(scores, ratio)
-    return [
-        ChunkSelection(s, c, group_window(c, cfg.window, cfg.tau)) for s, c in zip(scores, candidates)
-    ]
+    return [ChunkSelection(s, c, group_window(c, cfg.window, cfg.tau)) for s, c in zip(scores, candidates)]
+
+
+@torch.inference_mode()
+def attention_from_rows(lm: LoadedModel, input_ids: torch.Tensor, rows: torch.Tensor, layers: list[int]) -> dict[int, torch.Tensor]:
+    """Full prefill of input_ids [N]; at each layer, the attention of `rows` over all N keys,
+    averaged over heads and rows: {layer: [N]}. Used by the oracle mode and by calibration."""
+    base = decoder(lm)
+    wanted = sorted({layer % lm.num_layers for layer in layers})
+    captured: dict[int, torch.Tensor] = {}
+
+    def hook(i):
+        def capture(module, args, kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            captured[i] = hidden[:, rows].clone()
+
+        return capture
+
+    handles = [base.layers[i].register_forward_pre_hook(hook(i), with_kwargs=True) for i in wanted]
+    try:
+        out = base(input_ids=input_ids[None].to(lm.device), use_cache=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    n = input_ids.numel()
+    visible = torch.arange(n)[None, :] <= rows[:, None]  # [R, N]
+    result = {}
+    for i in wanted:
+        h = captured[i]
+        cos, sin = rope(lm, h, rows[None].to(lm.device))
+        q, _, _ = layer_qkv(base.layers[i], h, cos, sin)
+        keys = out.cache.layers[i].keys
+        keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+        logits = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * base.layers[i].self_attn.scaling
+        logits = logits.masked_fill(~visible.to(logits.device)[None, None], float("-inf"))
+        result[i] = logits.softmax(dim=-1)[0].mean(dim=(0, 1)).cpu()  # [N]
+    return {layer: result[layer % lm.num_layers] for layer in layers}

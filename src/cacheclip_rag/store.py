@@ -183,6 +183,27 @@ class KVStore:
         manifest.setdefault("namespaces", {})[namespace] = info
         atomic_write(self.manifest_path, lambda p: Path(p).write_text(json.dumps(manifest, indent=2)))
 
+    @property
+    def profile_path(self) -> Path:
+        return self.root / "profile.json"
+
+    def write_profile(self, profile: dict) -> None:
+        """Save a calibrated model-pair profile (see calibrate.py) beside the caches."""
+        atomic_write(self.profile_path, lambda p: Path(p).write_text(json.dumps(profile, indent=2)))
+
+    def read_profile(self, primary_fp: str | None = None, aux_fp: str | None = None) -> dict | None:
+        """The stored profile, or None; with fingerprints, only a profile made for that pair."""
+        try:
+            profile = json.loads(self.profile_path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, json.JSONDecodeError) as err:
+            log.warning("profile %s is unreadable (%s); ignoring it", self.profile_path, err)
+            return None
+        if primary_fp is not None and (profile.get("primary") != primary_fp or profile.get("aux") != aux_fp):
+            return None
+        return profile
+
     # ----- inspection -----------------------------------------------------------------------
 
     def usage(self) -> dict:

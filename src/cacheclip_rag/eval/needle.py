@@ -38,6 +38,10 @@ class NeedleResult:
     recompute: float
     effective_fraction: float
     prompt_tokens: int
+    needle_coverage: float
+    """Fraction of the needle values' primary tokens that were recomputed (1 for full)."""
+    oracle_overlap: float
+    """Jaccard of the recomputed chunk rows with the oracle mode's at the same ratio (nan if not run)."""
 
 
 def run(
@@ -49,8 +53,13 @@ def run(
     seed: int = 0,
     max_new_tokens: int = 64,
     progress=None,
+    budget: str = "paper",
 ) -> list[NeedleResult]:
     """modes: (mode, ratio) pairs; full (ratio 1) is always run, as the reference."""
+    from ..calibrate import CALIBRATION_SEED_BASE
+
+    if seed + samples > CALIBRATION_SEED_BASE:
+        raise ValueError(f"evaluation seeds must stay below {CALIBRATION_SEED_BASE} (calibration uses those above)")
     if ("full", 1.0) not in modes:
         modes = [("full", 1.0), *modes]
     variants = list(variants or VARIANTS)
@@ -61,10 +70,15 @@ def run(
             for i in range(samples):
                 sample = generate(variant, length, seed + i, tokenizer)
                 ids = engine.ingest([sample.context], progress=False)
+                needle_rows, chunk_rows = _needle_rows(engine, sample, ids)
+                oracle = {ratio: set(engine.answer(sample.question, chunk_ids=ids, mode="oracle", recompute_ratio=ratio,
+                                                   max_new_tokens=1, budget=budget).recomputed) & chunk_rows
+                          for mode, ratio in modes if mode == "oracle"}
                 full_ttft = None
                 for mode, ratio in modes:
                     ans = engine.answer(sample.question, chunk_ids=ids, mode=mode, recompute_ratio=ratio,
-                                        max_new_tokens=max_new_tokens, seed=seed + i)
+                                        max_new_tokens=max_new_tokens, seed=seed + i, budget=budget)
+                    recomputed = set(ans.recomputed) & chunk_rows
                     t = ans.timings
                     if mode == "full":
                         full_ttft = t["ttft"]
@@ -74,13 +88,39 @@ def run(
                         ttft_vs_full=t["ttft"] / full_ttft if full_ttft else float("nan"),
                         selection=t["selection"], load=t["load"], assemble=t["assemble"], recompute=t["recompute"],
                         effective_fraction=ans.effective_fraction, prompt_tokens=ans.prompt_tokens,
+                        needle_coverage=len(recomputed & needle_rows) / len(needle_rows) if needle_rows else float("nan"),
+                        oracle_overlap=_jaccard(recomputed, oracle[ratio]) if ratio in oracle else float("nan"),
                     ))
                 if progress:
                     progress(f"{length} {variant} sample {i + 1}/{samples}")
     return results
 
 
+def _needle_rows(engine: CacheClipEngine, sample, ids: list[str]) -> tuple[set[int], set[int]]:
+    """Primary positions of the needle values' tokens, and of all chunk tokens, in the request."""
+    request = engine._question_request(sample.question, ids)
+    layout = engine._layout(engine.primary, request)
+    needle, chunk = set(), set()
+    for seg in layout.chunk_segments():
+        chunk.update(range(seg.start, seg.end))
+        for value in sample.expected:
+            start = seg.text.find(value)
+            while start >= 0:
+                end = start + len(value)
+                for t, (s, e) in enumerate(seg.offsets.tolist()):
+                    if s < end and max(e, s + 1) > start:
+                        needle.add(seg.start + t)
+                start = seg.text.find(value, end)
+    return needle, chunk
+
+
+def _jaccard(a: set, b: set) -> float:
+    return len(a & b) / len(a | b) if a | b else 1.0
+
+
 def _label(mode: str, ratio: float) -> str:
+    if mode == "oracle":
+        return f"oracle@{ratio:g}*"  # analysis only: selects with a full prefill
     return mode if mode in ("full", "reuse", "ape") else f"{mode}@{ratio:g}"
 
 
@@ -103,13 +143,20 @@ def summarize(results: list[NeedleResult]) -> list[dict]:
                    selection=statistics.median(r.selection for r in sel),
                    load=statistics.median(r.load for r in sel),
                    assemble=statistics.median(r.assemble for r in sel),
-                   recompute=statistics.median(r.recompute for r in sel))
+                   recompute=statistics.median(r.recompute for r in sel),
+                   needle_coverage=_nanmean([r.needle_coverage for r in sel]),
+                   oracle_overlap=_nanmean([r.oracle_overlap for r in sel]))
         rows.append(row)
     for row in rows:
         full = next((r for r in rows if r["length"] == row["length"] and r["mode"] == "full"), None)
         row["pct_of_full"] = 100 * row["avg"] / full["avg"] if full and full["avg"] else float("nan")
         row["wins_losses_vs_reuse"] = _wins_losses(results, row, "reuse")
     return rows
+
+
+def _nanmean(values: list[float]) -> float:
+    values = [v for v in values if v == v]
+    return statistics.mean(values) if values else float("nan")
 
 
 def _wins_losses(results: list[NeedleResult], row: dict, other: str) -> tuple[int, int]:
@@ -125,13 +172,14 @@ def table(rows: list[dict]) -> str:
     variants = [v for v in VARIANTS if any(v in r["variants"] for r in rows)]
     short = {v: v.replace("multikey", "mk").replace("single", "s").replace("multivalue", "mv").replace("multiquery", "mq") for v in variants}
     head = f"{'len':>5} {'mode':<16} " + " ".join(f"{short[v]:>5}" for v in variants) + \
-        f" {'avg':>6} {'%full':>6} {'eff%':>5} {'TTFT/full':>9} {'W/L vs reuse':>12}"
+        f" {'avg':>6} {'%full':>6} {'eff%':>5} {'needle%':>7} {'∩oracle':>7} {'TTFT/full':>9} {'W/L vs reuse':>12}"
     lines = [head, "-" * len(head)]
     for r in rows:
         cells = " ".join(f"{100 * r['variants'].get(v, float('nan')):>5.0f}" for v in variants)
         w, lo = r["wins_losses_vs_reuse"]
         lines.append(f"{r['length']:>5} {r['label']:<16} {cells} {100 * r['avg']:>6.1f} {r['pct_of_full']:>6.1f} "
-                     f"{100 * r['effective_fraction']:>5.1f} {r['ttft_vs_full']:>9.3f} {f'{w}/{lo}':>12}")
+                     f"{100 * r['effective_fraction']:>5.1f} {100 * r['needle_coverage']:>7.1f} {r['oracle_overlap']:>7.2f} "
+                     f"{r['ttft_vs_full']:>9.3f} {f'{w}/{lo}':>12}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,104 @@
+"""Selection quality: budget-keeping, scoring options, the oracle mode, calibration profiles."""
+
+import pytest
+import torch
+
+from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig, SelectConfig
+from cacheclip_rag import calibrate as calibrate_mod
+from cacheclip_rag.eval import needle
+from cacheclip_rag.select import attention_from_rows, keep_budget, pick
+
+from conftest import CORPUS
+
+Q = "what is the code in the kitchen drawer?"
+
+
+def test_budget_keeping_reaches_the_fraction_within_one_window():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        sizes = torch.randint(20, 300, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen).tolist()
+        scores = [torch.rand(n, generator=gen) ** 4 for n in sizes]
+        ratio = float(torch.rand(1, generator=gen)) * 0.6 + 0.05
+        kept = keep_budget(scores, ratio, window=8, tau=5)
+        total = sum(sizes)
+        got = sum(int(k.sum()) for k in kept)
+        assert abs(got - round(ratio * total)) <= 8, (trial, got, ratio * total)
+        for k in kept:  # kept runs come from passing windows: none shorter than tau
+            runs = torch.diff(torch.cat([torch.tensor([0]), k.int(), torch.tensor([0])])).nonzero().flatten()
+            lengths = (runs[1::2] - runs[::2]).tolist()
+            assert all(n >= 5 for n in lengths)
+
+
+def test_paper_rule_undershoots_and_keep_does_not():
+    gen = torch.Generator().manual_seed(1)
+    scores = [torch.rand(500, generator=gen)]
+    cfg = SelectConfig()
+    paper = pick(scores, 0.2, cfg, "paper")[0].kept.sum().item()
+    keep = pick(scores, 0.2, cfg, "keep")[0].kept.sum().item()
+    assert paper < 100 - 8 and abs(keep - 100) <= 8
+
+
+def test_select_config_validation():
+    with pytest.raises(ValueError, match="score_layers"):
+        SelectConfig(score_layers=())
+    with pytest.raises(ValueError, match="head_agg"):
+        SelectConfig(head_agg="median")
+    assert SelectConfig(score_layers=[3, 4]).score_layers == (3, 4)
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_pair, tmp_path_factory):
+    cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4))
+    engine = CacheClipEngine(*tiny_pair, tmp_path_factory.mktemp("cal"), cfg)
+    engine.ids = engine.ingest(CORPUS, progress=False)[:4]
+    return engine
+
+
+def test_oracle_mode_matches_its_definition(eng):
+    ans = eng.answer(Q, chunk_ids=eng.ids, mode="oracle", recompute_ratio=0.5, max_new_tokens=1, budget="keep")
+    layout = eng._layout(eng.primary, eng._question_request(Q, eng.ids))
+    segs = layout.chunk_segments()
+    query_rows = torch.arange(segs[-1].end, layout.num_tokens)
+    # The definition, computed independently: a full prefill through transformers with eager
+    # attention weights; the last layer's attention from the question rows, mean over heads and rows.
+    lm = eng.primary.lm
+    lm.model.config._attn_implementation = "eager"
+    try:
+        with torch.inference_mode():
+            out = lm.model(input_ids=layout.input_ids[None], output_attentions=True)
+    finally:
+        lm.model.config._attn_implementation = "sdpa"
+    att = out.attentions[-1][0][:, query_rows].mean(dim=(0, 1))
+    ours = attention_from_rows(lm, layout.input_ids, query_rows, [-1])[-1]
+    torch.testing.assert_close(ours, att.float(), atol=1e-5, rtol=1e-4)
+    picks = pick([att[s.start : s.end] for s in segs], 0.5, eng.config.select, "keep")
+    expected = {s.start + int(i) for s, p in zip(segs, picks) for i in torch.nonzero(p.kept).flatten()}
+    chunk_rows = set(layout.chunk_rows().tolist())
+    assert set(ans.recomputed) & chunk_rows == expected
+
+
+def test_calibration_is_deterministic_and_never_reads_evaluation_seeds(tiny_pair, monkeypatch):
+    seen = []
+    real = calibrate_mod.generate
+    monkeypatch.setattr(calibrate_mod, "generate", lambda v, n, s, t: seen.append(s) or real(v, n, s, t))
+    a, scores_a = calibrate_mod.calibrate(*tiny_pair, lengths=(120,), samples=2)
+    b, _ = calibrate_mod.calibrate(*tiny_pair, lengths=(120,), samples=2)
+    assert a["aux_layers"] == b["aux_layers"] and a["jaccard"] == b["jaccard"]
+    assert seen and min(seen) >= calibrate_mod.CALIBRATION_SEED_BASE
+    assert len(scores_a) == 2 + 1  # two aux layers: (0), (1), (0, 1)
+    with pytest.raises(ValueError, match="calibration seeds"):
+        calibrate_mod.calibrate(*tiny_pair, seed=5)
+    with pytest.raises(ValueError, match="evaluation seeds"):
+        needle.run(None, [("reuse", 0.0)], seed=calibrate_mod.CALIBRATION_SEED_BASE - 1, samples=2)
+
+
+def test_profile_round_trips_and_is_used_by_default(eng):
+    assert eng.score_layers == (-1,)
+    profile, _ = eng.calibrate(lengths=(120,), samples=1)
+    assert eng.store.read_profile(eng.primary.lm.fingerprint, eng.aux.lm.fingerprint) == profile
+    assert eng.score_layers == tuple(profile["aux_layers"])
+    assert eng.store.read_profile("other", "pair") is None
+    again = CacheClipEngine(eng.primary.lm, eng.aux.lm, eng.store.root, eng.config)
+    assert again.profile == profile
+    ans = again.answer(Q, chunk_ids=eng.ids, recompute_ratio=0.3, budget="keep", max_new_tokens=1)
+    assert abs(ans.effective_fraction - 0.3) <= 8 / ans.context_tokens + 1e-9
