@@ -119,7 +119,7 @@ def run(
                 TTFTRow(
                     length=length,
                     mode=mode,
-                    ratio=ratio if mode == "cacheclip" else (1.0 if mode == "full" else 0.0),
+                    ratio=1.0 if mode == "full" else (0.0 if mode in ("reuse", "ape") else ratio),
                     prompt_tokens=answers[0].prompt_tokens,
                     runs=len(answers),
                     ttft_median=_median(ttft),
