@@ -42,8 +42,8 @@ def ttft_breakdown(rows: list[dict], path: str | Path, title: str = "") -> None:
     """Stacked median TTFT per mode: selection, load, assemble, recompute, other."""
     plt = _plt()
     parts = ["selection", "load", "assemble", "recompute"]
-    labels = [f"{r['label']}\n{r['length']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6.4, 0.9 * len(rows)), 4.2))
+    labels = [f"{r['label']} {r['length']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(min(16.0, max(6.4, 0.45 * len(rows))), 4.8))
     bottom = [0.0] * len(rows)
     for part in parts:
         vals = [r[part] for r in rows]
@@ -54,7 +54,7 @@ def ttft_breakdown(rows: list[dict], path: str | Path, title: str = "") -> None:
     ax.set_ylabel("median TTFT (s)")
     ax.set_title(title or "TTFT breakdown per mode")
     ax.legend(fontsize=7)
-    plt.setp(ax.get_xticklabels(), fontsize=7)
+    plt.setp(ax.get_xticklabels(), fontsize=7, rotation=60, ha="right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
