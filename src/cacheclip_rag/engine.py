@@ -168,8 +168,8 @@ class CacheClipEngine:
         self.config = config or EngineConfig()
         self.store = KVStore(store_dir, self.config.store)
         self.store.bind_models({"primary": primary.fingerprint, "aux": aux.fingerprint})
-        self.primary = self._frame(primary)
-        self.aux = self._frame(aux)
+        self.primary = self._frame(primary, "primary")
+        self.aux = self._frame(aux, "aux")
         self.index = ChunkIndex(Path(store_dir) / "index", self.config.embedder)
         self.matcher = ChunkMatcher()
         self._ingest_lock = threading.Lock()
@@ -199,11 +199,10 @@ class CacheClipEngine:
         config = config or EngineConfig()
         return cls(model_lib.load(primary, config.model), model_lib.load(aux, config.model), store_dir, config)
 
-    def _frame(self, lm: LoadedModel) -> _Model:
+    def _frame(self, lm: LoadedModel, role: str) -> _Model:
         template = chat_template(lm, self.config.prompt)
         prefix_ids, _ = tokenize(lm, template.prefix, special=True)
         frame = _Model(lm, template, prefix_ids, _namespace(lm, prefix_ids))
-        role = "primary" if not hasattr(self, "primary") else "aux"
         self.store.describe_namespace(frame.namespace, {"role": role, "model": lm.name, "fingerprint": lm.fingerprint})
         prefix = self.store.get_kv(frame.namespace, _PREFIX_KEY)
         if prefix is None or not torch.equal(prefix.token_ids, prefix_ids):
