@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
+from ..chunking import encode_text
 from ..models import LoadedModel
-from ..recompute import decoder, layer_qkv, rope
+from ..select import attention_from_rows
 from .niah import generate
 
 
@@ -31,39 +32,12 @@ class AlignmentRow:
     kl_pri_first: float
 
 
-@torch.inference_mode()
 def last_token_attention(lm: LoadedModel, text: str, layers: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """Head-averaged attention [T] of the last token at each layer, and token offsets [T, 2]."""
-    enc = lm.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = torch.tensor(enc["input_ids"])[None]
-    offsets = torch.tensor(enc["offset_mapping"]).reshape(-1, 2)
-    base = decoder(lm)
-    wanted = {layer % lm.num_layers for layer in layers}
-    captured: dict[int, torch.Tensor] = {}
-    hooks = [
-        base.layers[i].register_forward_pre_hook(
-            lambda mod, args, kwargs, i=i: captured.__setitem__(i, (kwargs.get("hidden_states", args[0] if args else None))[:, -1:].clone()),
-            with_kwargs=True,
-        )
-        for i in wanted
-    ]
-    try:
-        out = base(input_ids=ids, use_cache=True)
-    finally:
-        for h in hooks:
-            h.remove()
-    n = ids.shape[1]
-    result = {}
-    for layer in layers:
-        i = layer % lm.num_layers
-        h_last = captured[i]
-        cos, sin = rope(lm, h_last, torch.tensor([[n - 1]]))
-        q, _, _ = layer_qkv(base.layers[i], h_last, cos, sin)
-        keys = out.cache.layers[i].keys  # [1, H_kv, T, D]
-        keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
-        logits = torch.matmul(q.float(), keys.float().transpose(-1, -2))[0, :, 0] * base.layers[i].self_attn.scaling
-        result[layer] = logits.softmax(dim=-1).mean(dim=0)  # [T]
-    return result, offsets
+    ids, offsets = encode_text(lm.tokenizer, text)
+    ids_t = torch.tensor(ids)
+    attention = attention_from_rows(lm, ids_t, torch.tensor([ids_t.numel() - 1]), layers)
+    return attention, torch.tensor(offsets).reshape(-1, 2)
 
 
 def to_chars(weights: torch.Tensor, offsets: torch.Tensor, n_chars: int) -> torch.Tensor:
