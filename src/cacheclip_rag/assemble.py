@@ -134,18 +134,27 @@ def assemble(
     recomputed before anything reads them.
     """
     cache = AssembledCache.empty(lm, max(capacity or 0, layout.num_tokens))
-    p = layout.prefix_len
-    assert prefix_kv.num_tokens == p, f"prefix cache has {prefix_kv.num_tokens} tokens, layout {p}"
+    write_prefix(cache, layout, prefix_kv)
     inv_freq = decoder(lm).rotary_emb.inv_freq
-    for layer in range(lm.num_layers):
-        cache.keys[layer][0, :, :p] = prefix_kv.keys[layer]
-        cache.values[layer][0, :, :p] = prefix_kv.values[layer]
     for seg in layout.chunk_segments():
         kv = chunk_kvs[seg.chunk_id]
         assert torch.equal(kv.token_ids, seg.ids), f"cache of {seg.chunk_id} holds other tokens"
         target = seg.start if positions is None else int(positions[seg.start])
-        delta = target - kv.start_pos
         for layer in range(lm.num_layers):
-            cache.keys[layer][0, :, seg.start : seg.end] = rerotate(kv.keys[layer], delta, inv_freq)
-            cache.values[layer][0, :, seg.start : seg.end] = kv.values[layer]
+            write_segment(cache, layer, seg, kv.keys[layer], kv.values[layer], target - kv.start_pos, inv_freq)
     return cache
+
+
+def write_prefix(cache: AssembledCache, layout: Layout, prefix_kv: ChunkKV) -> None:
+    """The one copy of the shared prefix, positions [0, P), every layer."""
+    p = layout.prefix_len
+    assert prefix_kv.num_tokens == p, f"prefix cache has {prefix_kv.num_tokens} tokens, layout {p}"
+    for layer, (k, v) in enumerate(zip(prefix_kv.keys, prefix_kv.values)):
+        cache.keys[layer][0, :, :p] = k
+        cache.values[layer][0, :, :p] = v
+
+
+def write_segment(cache: AssembledCache, layer: int, seg: Segment, k: torch.Tensor, v: torch.Tensor, delta: int, inv_freq) -> None:
+    """One layer of one chunk into its rows, keys moved by `delta` positions."""
+    cache.keys[layer][0, :, seg.start : seg.end] = rerotate(k, delta, inv_freq)
+    cache.values[layer][0, :, seg.start : seg.end] = v

@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import models as model_lib
-from .assemble import Layout, ape_positions, build_layout
+from .assemble import Layout, ape_positions, build_layout, write_prefix
 from .chunking import Chunk, chunk_id, split_document
 from .config import EngineConfig, check_budget, check_mode, check_ratio
 from .encode import Template, chat_template, encode_prefix, encode_segment, tokenize
@@ -522,9 +522,7 @@ class CacheClipEngine:
         t = time.perf_counter()
         positions = ape_positions(layout) if ape is not None else torch.arange(layout.num_tokens)
         cache = AssembledCache.empty(frame.lm, layout.num_tokens + request.options.max_new_tokens)
-        for layer in range(frame.lm.num_layers):
-            cache.keys[layer][0, :, : layout.prefix_len] = prefix_kv.keys[layer]
-            cache.values[layer][0, :, : layout.prefix_len] = prefix_kv.values[layer]
+        write_prefix(cache, layout, prefix_kv)
         def rebuild(cid: str, err: Exception) -> ChunkKV:
             self.store.discard(frame.namespace, cid, err)
             return self._encode_and_store(frame, cid, None)

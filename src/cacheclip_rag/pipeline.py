@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from .assemble import Layout, rerotate
+from .assemble import Layout, write_segment
 from .models import LoadedModel
 from .recompute import AssembledCache, decoder
 from .store import ChunkKV, DamagedCacheError, LayerReader
@@ -98,7 +98,6 @@ class LayerFeeder:
                 self._on_loaded(cid, ChunkKV(keys, values, source.token_ids, source.offsets, source.start_pos))
 
     def _fill(self, i: int) -> None:
-        keys, values = self._cache.keys[i], self._cache.values[i]
         for seg in self._layout.chunk_segments():
             try:
                 k, v = _layer(self._sources[seg.chunk_id], i)
@@ -110,8 +109,7 @@ class LayerFeeder:
                 self._sources[seg.chunk_id] = self._rebuild(seg.chunk_id, err)
                 k, v = _layer(self._sources[seg.chunk_id], i)
             delta = int(self._positions[seg.start]) - self._sources[seg.chunk_id].start_pos
-            keys[0, :, seg.start : seg.end] = rerotate(k, delta, self._inv_freq)
-            values[0, :, seg.start : seg.end] = v
+            write_segment(self._cache, i, seg, k, v, delta, self._inv_freq)
 
     def wait(self, layer: int) -> None:
         start = time.perf_counter()
