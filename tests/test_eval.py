@@ -1,6 +1,7 @@
 """The evaluation harness: needle generator, metrics, writers, and miniature runs end to end."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -126,3 +127,12 @@ def test_selection_page(eng, tmp_path):
     html.write(tmp_path / "sel.html", "what is the code?", stream.answer, stream.trace)
     page = (tmp_path / "sel.html").read_text()
     assert "CacheClip selection" in page and "underline" in page and "rgba(255,140,0," in page
+
+
+def test_needle_bench_reports_overlap_with_the_oracle(eng):
+    results = needle.run(eng, [("cacheclip", 0.5), ("oracle", 0.5)], variants=["single_2"], lengths=[150], samples=1,
+                         max_new_tokens=2, budget="keep")
+    by_mode = {r.mode: r for r in results}
+    assert by_mode["oracle"].oracle_overlap == 1.0
+    assert 0.0 <= by_mode["cacheclip"].oracle_overlap <= 1.0
+    assert math.isnan(by_mode["full"].oracle_overlap)  # no oracle run at full's ratio

@@ -71,9 +71,8 @@ def run(
                 sample = generate(variant, length, seed + i, tokenizer)
                 ids = engine.ingest([sample.context], progress=False)
                 needle_rows, chunk_rows = _needle_rows(engine, sample, ids)
-                oracle = {ratio: set(engine.answer(sample.question, chunk_ids=ids, mode="oracle", recompute_ratio=ratio,
-                                                   max_new_tokens=1, budget=budget).recomputed) & chunk_rows
-                          for mode, ratio in modes if mode == "oracle"}
+                oracle: dict[float, set[int]] = {}  # ratio -> the oracle's chunk rows, when it runs
+                rows_of: list[tuple[NeedleResult, set[int]]] = []
                 full_ttft = None
                 for mode, ratio in modes:
                     ans = engine.answer(sample.question, chunk_ids=ids, mode=mode, recompute_ratio=ratio,
@@ -82,6 +81,8 @@ def run(
                     t = ans.timings
                     if mode == "full":
                         full_ttft = t["ttft"]
+                    if mode == "oracle":
+                        oracle[ratio] = recomputed
                     results.append(NeedleResult(
                         length=length, variant=variant, seed=seed + i, mode=mode, ratio=ratio,
                         score=score(ans.text, sample.expected), answer=ans.text, ttft=t["ttft"],
@@ -89,8 +90,12 @@ def run(
                         selection=t["selection"], load=t["load"], assemble=t["assemble"], recompute=t["recompute"],
                         effective_fraction=ans.effective_fraction, prompt_tokens=ans.prompt_tokens,
                         needle_coverage=len(recomputed & needle_rows) / len(needle_rows) if needle_rows else float("nan"),
-                        oracle_overlap=_jaccard(recomputed, oracle[ratio]) if ratio in oracle else float("nan"),
+                        oracle_overlap=float("nan"),
                     ))
+                    rows_of.append((results[-1], recomputed))
+                for result, recomputed in rows_of:  # overlap with the oracle's rows at the same ratio
+                    if result.ratio in oracle:
+                        result.oracle_overlap = _jaccard(recomputed, oracle[result.ratio])
                 if progress:
                     progress(f"{length} {variant} sample {i + 1}/{samples}")
     return results
