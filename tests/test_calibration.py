@@ -77,24 +77,32 @@ def test_oracle_mode_matches_its_definition(eng):
     assert set(ans.recomputed) & chunk_rows == expected
 
 
-def test_calibration_is_deterministic_and_never_reads_evaluation_seeds(tiny_pair, monkeypatch):
+def test_calibration_is_deterministic_and_never_reads_evaluation_seeds(eng, monkeypatch):
     seen = []
     real = calibrate_mod.generate
     monkeypatch.setattr(calibrate_mod, "generate", lambda v, n, s, t: seen.append(s) or real(v, n, s, t))
-    a, scores_a = calibrate_mod.calibrate(*tiny_pair, lengths=(120,), samples=2)
-    b, _ = calibrate_mod.calibrate(*tiny_pair, lengths=(120,), samples=2)
-    assert a["aux_layers"] == b["aux_layers"] and a["jaccard"] == b["jaccard"]
+    chunks_before = len(eng.store.chunks())
+    a, scores_a = eng.calibrate(lengths=(120,), samples=2, answer_tokens=4)
+    b, scores_b = eng.calibrate(lengths=(120,), samples=2, answer_tokens=4)
+    assert (a["aux_layers"], a["head_agg"], a["row_agg"], a["normalize"], a["kl"]) == \
+        (b["aux_layers"], b["head_agg"], b["row_agg"], b["normalize"], b["kl"])
+    assert [s.kl for s in scores_a] == [s.kl for s in scores_b]
     assert seen and min(seen) >= calibrate_mod.CALIBRATION_SEED_BASE
-    assert len(scores_a) == 2 + 1  # two aux layers: (0), (1), (0, 1)
+    assert len(eng.store.chunks()) == chunks_before  # calibration inputs went to a scratch store
+    assert len(scores_a) == 2 + 1 + 7  # two aux layers: (0), (1), (0, 1); 7 aggregation variants
+    assert all(s.kl >= -1e-6 for s in scores_a)
     with pytest.raises(ValueError, match="calibration seeds"):
-        calibrate_mod.calibrate(*tiny_pair, seed=5)
+        eng.calibrate(seed=5)
     with pytest.raises(ValueError, match="evaluation seeds"):
         needle.run(None, [("reuse", 0.0)], seed=calibrate_mod.CALIBRATION_SEED_BASE - 1, samples=2)
 
 
-def test_profile_round_trips_and_is_used_by_default(eng):
+def test_profile_round_trips_and_is_used_by_default(tiny_pair, tmp_path):
+    cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4))
+    eng = CacheClipEngine(*tiny_pair, tmp_path, cfg)
+    eng.ids = eng.ingest(CORPUS, progress=False)[:4]
     assert eng.score_layers == (-1,)
-    profile, _ = eng.calibrate(lengths=(120,), samples=1)
+    profile, _ = eng.calibrate(lengths=(120,), samples=1, answer_tokens=4)
     assert eng.store.read_profile(eng.primary.lm.fingerprint, eng.aux.lm.fingerprint) == profile
     assert eng.score_layers == tuple(profile["aux_layers"])
     assert eng.store.read_profile("other", "pair") is None
@@ -102,3 +110,20 @@ def test_profile_round_trips_and_is_used_by_default(eng):
     assert again.profile == profile
     ans = again.answer(Q, chunk_ids=eng.ids, recompute_ratio=0.3, budget="keep", max_new_tokens=1)
     assert abs(ans.effective_fraction - 0.3) <= 8 / ans.context_tokens + 1e-9
+    resolved = again.select_config()
+    assert (list(resolved.score_layers), resolved.head_agg, resolved.row_agg, resolved.normalize) == \
+        (profile["aux_layers"], profile["head_agg"], profile["row_agg"], profile["normalize"])
+    assert ans.metadata()["score_layers"] == profile["aux_layers"] and ans.metadata()["budget"] == "keep"
+    # A config value overrides the profile's; a request's layers override both.
+    pinned = CacheClipEngine(eng.primary.lm, eng.aux.lm, eng.store.root,
+                             EngineConfig(chunk=cfg.chunk, select=SelectConfig(score_layers=(0,), head_agg="max")))
+    assert pinned.select_config().score_layers == (0,) and pinned.select_config().head_agg == "max"
+    assert pinned.select_config().row_agg == profile["row_agg"]
+    ans = pinned.answer(Q, chunk_ids=eng.ids, score_layers=[-1], max_new_tokens=1)
+    assert ans.score_layers == (-1,)
+
+
+@pytest.mark.parametrize("bad", [[], [99], ["1"], True, "last"])
+def test_score_layers_request_option_is_validated(eng, bad):
+    with pytest.raises(ValueError, match="score_layers"):
+        eng.answer(Q, chunk_ids=eng.ids, score_layers=bad, max_new_tokens=1)

@@ -41,6 +41,16 @@ def test_ingest_ask_and_selection_page(folders, tmp_path, capsys):
     assert page.exists()
 
 
+def test_calibrate_then_store_stats_shows_the_profile(folders, tmp_path, capsys):
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", "--lengths", "120", "--samples", "1", "--json", str(out), *_args(folders, tmp_path / "s")]) == 0
+    printed = capsys.readouterr().out
+    profile = json.loads(out.read_text())["profile"]
+    assert "KL(full||" in printed and f"aux layers {profile['aux_layers']}" in printed
+    assert main(["store", "stats", "--store", str(tmp_path / "s")]) == 0
+    assert f"selection profile: aux layers {profile['aux_layers']}" in capsys.readouterr().out
+
+
 def test_bad_input_exits_2_with_a_message(folders, tmp_path, capsys):
     assert main(["ask", "q?", "--ratio", "1.5", *_args(folders, tmp_path / "empty")]) == 2
     assert "recompute_ratio must be in [0, 1]" in capsys.readouterr().err

@@ -1,38 +1,241 @@
-"""Calibrate which aux layers score tokens for a model pair (label-free).
+"""Calibrate how the aux model scores tokens for a model pair, on generated inputs.
 
-On generated needle-style inputs whose seeds are disjoint from every evaluation seed, the
-primary model's own last-layer attention from the question rows over the context (a full
-prefill, projected into character space) is the reference. Each aux layer, and each run of 2 or
-3 adjacent layers (their character-space distributions averaged), is scored by the Jaccard index
-of its top-20% characters against the reference's top 20%, and by the recall of the reference's
-top-5% characters inside its own top 20%. The best candidate by Jaccard (recall breaks ties)
-becomes the pair's profile, stored with the store and used by the engine by default.
+Calibration inputs are needle-style samples whose seeds are disjoint from every evaluation seed;
+their answers are never read. Each sample is ingested into a scratch store and asked the way the
+engine asks, so the aux signal calibrated is exactly the one served: per-chunk query-to-chunk
+attention (`select.score_chunks_by_layer`).
+
+Candidates are each aux layer, then each run of 2..max_run adjacent layers (their scores
+averaged) that holds one of the best single layers. Every candidate is measured two ways:
+
+- **alignment** with the primary's own last-layer attention from the question rows over the
+  chunks (a full prefill), in character space: Jaccard of the top-20% characters and recall of
+  the primary's top-5% characters inside the candidate's top 20%;
+- **fidelity**, what recomputation is for: the candidate's selection at the calibration ratio
+  (budget-keeping) is recomputed in the reused cache, full attention's own greedy answer is
+  teacher-forced through it, and the mean KL divergence KL(full || candidate) of the next-token
+  distributions over that answer is taken (lower is better; no label is involved).
+
+The profile takes the candidate with the lowest mean KL (fewer layers on ties); the aggregation
+over heads and query rows and the per-chunk normalization are then chosen the same way for those
+layers. Measured on the default pair, alignment with the primary's last layer does not pick the
+layers that find what the primary needs (docs/benchmarks.md); it is reported beside fidelity.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import logging
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from .chunking import encode_text
-from .eval.alignment import to_chars, top_jaccard
+from .assemble import assemble
+from .encode import tokenize
 from .eval.niah import generate
-from .models import LoadedModel
-from .select import attention_from_rows
+from .recompute import recompute_rows
+from .select import attention_from_rows, keep_budget, map_tokens, normalized, score_chunks_by_layer
+
+if TYPE_CHECKING:
+    from .engine import CacheClipEngine
+
+log = logging.getLogger(__name__)
 
 CALIBRATION_SEED_BASE = 1_000_000
 """Calibration seeds start here; evaluation seeds (bench niah --seed) must stay below it."""
 VARIANTS = ("multikey_1", "multivalue", "multiquery", "single_2")
+AGGREGATIONS = (("mean", "mean"), ("max", "mean"), ("mean", "max"), ("max", "max"))
+NORMALIZATIONS = ("none", "chunk")
+TOP_SINGLES = 5
+"""Runs of adjacent layers are tried around this many of the best single layers."""
 
 
 @dataclass
-class LayerScore:
+class CandidateScore:
+    """One candidate's means over the calibration samples."""
+
     layers: tuple[int, ...]
-    jaccard: float
-    recall: float
+    head_agg: str = "mean"
+    row_agg: str = "mean"
+    normalize: str = "none"
+    kl: float = float("nan")
+    jaccard: float = float("nan")
+    recall: float = float("nan")
+    per_sample_kl: list[float] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        agg = "" if (self.head_agg, self.row_agg, self.normalize) == ("mean", "mean", "none") else \
+            f" {self.head_agg}/{self.row_agg}/{self.normalize}"
+        return "-".join(map(str, self.layers)) + agg
+
+
+@dataclass
+class _Sample:
+    """What one calibration input needs, computed once: the primary's reference signals, the
+    aux's per-layer scores per aggregation, and everything to replay a selection."""
+
+    layout: object
+    base_cache: object
+    answer: torch.Tensor
+    full_logprobs: torch.Tensor
+    aux_offsets: list[torch.Tensor]
+    pri_offsets: list[torch.Tensor]
+    texts: list[str]
+    aux_scores: dict[tuple[str, str], dict[int, list[torch.Tensor]]]
+    reference_chars: torch.Tensor
+
+
+def calibrate(
+    engine: CacheClipEngine,
+    lengths: tuple[int, ...] = (1024,),
+    samples: int = 8,
+    seed: int = CALIBRATION_SEED_BASE,
+    max_run: int = 3,
+    ratio: float = 0.2,
+    answer_tokens: int = 64,
+) -> tuple[dict, list[CandidateScore]]:
+    """Calibrate on `engine` (a scratch one: calibration chunks are ingested into its store).
+
+    Returns (profile, every layer candidate's scores, best first, then the aggregation variants
+    of the best layers).
+    """
+    if seed < CALIBRATION_SEED_BASE:
+        raise ValueError(f"calibration seeds must be >= {CALIBRATION_SEED_BASE} (evaluation uses the ones below), got {seed}")
+    if not 0 < ratio < 1:
+        raise ValueError(f"calibration ratio must be in (0, 1), got {ratio}")
+    n_aux = engine.aux.lm.num_layers
+    data, seeds = [], []
+    for length in lengths:
+        for i in range(samples):
+            s = seed + 1000 * length + i
+            seeds.append(s)
+            sample = _prepare(engine, VARIANTS[i % len(VARIANTS)], length, s, answer_tokens)
+            if sample is not None:
+                data.append(sample)
+            log.info("calibration sample %d/%d prepared", len(seeds), len(lengths) * samples)
+    if not data:
+        raise ValueError("no calibration sample gave an answer to calibrate against")
+
+    window, tau = engine.config.select.window, engine.config.select.tau
+    measure = lambda cand: _measure(engine, data, cand, ratio, window, tau)  # noqa: E731
+    # Every single layer, then the runs of adjacent layers that hold one of the best singles.
+    layer_scores = [measure(CandidateScore((i,))) for i in range(n_aux)]
+    best_singles = {c.layers[0] for c in sorted(layer_scores, key=lambda c: c.kl)[:TOP_SINGLES]}
+    runs = sorted({tuple(range(i, i + r)) for r in range(2, max_run + 1) for i in range(n_aux - r + 1)
+                   if best_singles & set(range(i, i + r))})
+    layer_scores += [measure(CandidateScore(run)) for run in runs]
+    layer_scores.sort(key=lambda c: (c.kl, len(c.layers), -c.jaccard))
+    best = layer_scores[0]
+    variants = [measure(CandidateScore(best.layers, h, r, nz))
+                for h, r in AGGREGATIONS for nz in NORMALIZATIONS if (h, r, nz) != ("mean", "mean", "none")]
+    chosen = min([best, *variants], key=lambda c: c.kl)
+    last = next(c for c in layer_scores if c.layers == (n_aux - 1,))
+    by_alignment = max(layer_scores, key=lambda c: (c.jaccard, c.recall))
+    profile = {
+        "primary": engine.primary.lm.fingerprint,
+        "aux": engine.aux.lm.fingerprint,
+        "primary_name": engine.primary.lm.name,
+        "aux_name": engine.aux.lm.name,
+        "aux_layers": list(chosen.layers),
+        "head_agg": chosen.head_agg,
+        "row_agg": chosen.row_agg,
+        "normalize": chosen.normalize,
+        "criterion": "fidelity: mean KL(full || reused) over full attention's teacher-forced answer",
+        "kl": chosen.kl,
+        "jaccard": chosen.jaccard,
+        "recall": chosen.recall,
+        "last_layer": {"kl": last.kl, "jaccard": last.jaccard, "recall": last.recall,
+                       "rank": layer_scores.index(last) + 1},
+        "best_by_alignment": {"aux_layers": list(by_alignment.layers), "kl": by_alignment.kl,
+                              "jaccard": by_alignment.jaccard, "recall": by_alignment.recall},
+        "candidates": len(layer_scores) + len(variants),
+        "ratio": ratio,
+        "lengths": list(lengths),
+        "seeds": seeds,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    return profile, layer_scores + sorted(variants, key=lambda c: c.kl)
+
+
+@torch.inference_mode()
+def _prepare(engine: CacheClipEngine, variant: str, length: int, seed: int, answer_tokens: int) -> _Sample | None:
+    primary, aux = engine.primary, engine.aux
+    sample = generate(variant, length, seed, primary.lm.tokenizer)
+    ids = engine.ingest([sample.context], progress=False)
+    full = engine.answer(sample.question, chunk_ids=ids, mode="full", max_new_tokens=answer_tokens)
+    answer = tokenize(primary.lm, full.text)[0][:answer_tokens]
+    if answer.numel() == 0:
+        return None
+    request = engine._question_request(sample.question, ids)
+    layout = engine._layout(primary, request)
+    segs = layout.chunk_segments()
+    pri_kvs = {seg.chunk_id: engine._chunk_kv(primary, seg.chunk_id, seg.text) for seg in segs}
+    aux_kvs = [engine._chunk_kv(aux, seg.chunk_id, seg.text) for seg in segs]
+    base_cache = assemble(primary.lm, layout, engine._prefix_kv(primary), pri_kvs,
+                          capacity=layout.num_tokens + answer.numel())
+    full_logprobs = _forced_logprobs(engine, layout, base_cache, answer, layout.chunk_rows())
+
+    query_ids = engine._aux_query_ids(request)
+    every = tuple(range(aux.lm.num_layers))
+    aux_scores = {agg: score_chunks_by_layer(aux.lm, engine._prefix_kv(aux), aux_kvs, query_ids, every, *agg)
+                  for agg in AGGREGATIONS}
+
+    query_rows = torch.arange(segs[-1].end, layout.num_tokens)
+    attention = attention_from_rows(primary.lm, layout.input_ids, query_rows, [-1])[-1]
+    pri_offsets = [pri_kvs[seg.chunk_id].offsets for seg in segs]
+    reference = torch.cat([_chars(attention[seg.start : seg.end], off, len(seg.text)) for seg, off in zip(segs, pri_offsets)])
+    return _Sample(layout, base_cache, answer, full_logprobs, [kv.offsets for kv in aux_kvs], pri_offsets,
+                   [seg.text for seg in segs], aux_scores, reference)
+
+
+def _forced_logprobs(engine: CacheClipEngine, layout, base_cache, answer: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities [T, vocab] of each answer token's position, with `selected` chunk rows
+    (and every uncached row, and the answer) recomputed in a copy of the reused cache."""
+    n, t = layout.num_tokens, int(answer.numel())
+    cache = type(base_cache)([k.clone() for k in base_cache.keys], [v.clone() for v in base_cache.values])
+    ids = torch.cat([layout.input_ids, answer[:-1]])
+    rows = torch.unique(torch.cat([layout.uncached_rows(), selected, torch.arange(n, n + t - 1)]))
+    result = recompute_rows(engine.primary.lm, cache, ids, rows, backend=engine.config.attention_backend, tail=t)
+    logits = result.tail_logits if t > 1 else result.logits[None]
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _measure(engine: CacheClipEngine, data: list[_Sample], cand: CandidateScore, ratio: float, window: int, tau: int) -> CandidateScore:
+    kls, jacs, recs = [], [], []
+    for d in data:
+        by_layer = d.aux_scores[(cand.head_agg, cand.row_agg)]
+        scores = [torch.stack([by_layer[layer][c] for layer in cand.layers]).mean(dim=0) for c in range(len(d.texts))]
+        scores = normalized(scores, cand.normalize)
+        kept = keep_budget(scores, ratio, window, tau)
+        rows = [seg.start + torch.nonzero(map_tokens(a_off, k, p_off, len(text))).flatten()
+                for seg, a_off, k, p_off, text in zip(d.layout.chunk_segments(), d.aux_offsets, kept, d.pri_offsets, d.texts)]
+        logprobs = _forced_logprobs(engine, d.layout, d.base_cache, d.answer, torch.cat(rows))
+        kls.append(float((d.full_logprobs.exp() * (d.full_logprobs - logprobs)).sum(-1).mean()))
+        signal = torch.cat([_chars(s, off, len(text)) for s, off, text in zip(scores, d.aux_offsets, d.texts)])
+        jacs.append(_top_jaccard(signal, d.reference_chars))
+        ref_top = _top(d.reference_chars, 0.05)
+        recs.append(len(_top(signal, 0.2) & ref_top) / len(ref_top))
+    cand.kl, cand.jaccard, cand.recall = statistics.mean(kls), statistics.mean(jacs), statistics.mean(recs)
+    cand.per_sample_kl = kls
+    log.info("candidate %s: KL %.4f, Jaccard %.3f, recall %.3f", cand.name, cand.kl, cand.jaccard, cand.recall)
+    return cand
+
+
+def _chars(weights: torch.Tensor, offsets: torch.Tensor, n_chars: int) -> torch.Tensor:
+    """Token weights [T] -> character weights [n_chars]: each token's weight spread evenly over
+    its characters (offsets [T, 2] into a text of n_chars)."""
+    starts = offsets[:, 0].clamp(0, n_chars)
+    ends = offsets[:, 1].clamp(0, n_chars)
+    width = (ends - starts).clamp(min=1)
+    diff = torch.zeros(n_chars + 1, dtype=torch.float64)
+    per_char = weights.double() / width
+    ok = ends > starts
+    diff.index_add_(0, starts[ok], per_char[ok])
+    diff.index_add_(0, ends[ok], -per_char[ok])
+    return diff.cumsum(0)[:n_chars]
 
 
 def _top(x: torch.Tensor, frac: float) -> set[int]:
@@ -40,81 +243,22 @@ def _top(x: torch.Tensor, frac: float) -> set[int]:
     return set(torch.argsort(x, descending=True, stable=True)[:k].tolist())
 
 
-def _context_attention(lm: LoadedModel, text: str, n_context: int, layers: list[int]) -> dict[int, torch.Tensor]:
-    """Attention of the question rows (tokens after the context) over the context, per layer,
-    in character space normalised to sum 1."""
-    ids, offsets = encode_text(lm.tokenizer, text)
-    ids_t, offsets_t = torch.tensor(ids), torch.tensor(offsets).reshape(-1, 2)
-    rows = torch.nonzero(offsets_t[:, 0] >= n_context).flatten()
-    attention = attention_from_rows(lm, ids_t, rows, layers)
-    out = {}
-    for layer, weights in attention.items():
-        chars = to_chars(weights, offsets_t, n_context)
-        out[layer] = chars / chars.sum() if chars.sum() > 0 else chars
-    return out
+def _top_jaccard(a: torch.Tensor, b: torch.Tensor, frac: float = 0.2) -> float:
+    sa, sb = _top(a, frac), _top(b, frac)
+    return len(sa & sb) / len(sa | sb)
 
 
-def calibrate(
-    primary: LoadedModel,
-    aux: LoadedModel,
-    lengths: tuple[int, ...] = (1024,),
-    samples: int = 8,
-    seed: int = CALIBRATION_SEED_BASE,
-    max_run: int = 3,
-) -> tuple[dict, list[LayerScore]]:
-    """Returns (profile, every candidate's mean score, best first)."""
-    if seed < CALIBRATION_SEED_BASE:
-        raise ValueError(f"calibration seeds must be >= {CALIBRATION_SEED_BASE} (evaluation uses the ones below), got {seed}")
-    n_aux = aux.num_layers
-    candidates = [tuple(range(i, i + r)) for r in range(1, max_run + 1) for i in range(n_aux - r + 1)]
-    jac: dict[tuple[int, ...], list[float]] = {c: [] for c in candidates}
-    rec: dict[tuple[int, ...], list[float]] = {c: [] for c in candidates}
-    seeds = []
-    for length in lengths:
-        for i in range(samples):
-            s = seed + 1000 * length + i
-            seeds.append(s)
-            sample = generate(VARIANTS[i % len(VARIANTS)], length, s, primary.tokenizer)
-            text = sample.context + "\n\nQuestion: " + sample.question + "\nAnswer:"
-            n_ctx = len(sample.context)
-            reference = _context_attention(primary, text, n_ctx, [-1])[-1]
-            ref_top5 = _top(reference, 0.05)
-            per_layer = _context_attention(aux, text, n_ctx, list(range(n_aux)))
-            for cand in candidates:
-                mixed = torch.stack([per_layer[layer] for layer in cand]).mean(dim=0)
-                jac[cand].append(top_jaccard(mixed, reference))
-                rec[cand].append(len(_top(mixed, 0.2) & ref_top5) / len(ref_top5))
-    scores = sorted(
-        (LayerScore(c, statistics.mean(jac[c]), statistics.mean(rec[c])) for c in candidates),
-        key=lambda x: (-x.jaccard, -x.recall, len(x.layers)),
-    )
-    best = scores[0]
-    last = next(x for x in scores if x.layers == (n_aux - 1,))
-    profile = {
-        "primary": primary.fingerprint,
-        "aux": aux.fingerprint,
-        "primary_name": primary.name,
-        "aux_name": aux.name,
-        "aux_layers": list(best.layers),
-        "head_agg": "mean",
-        "row_agg": "mean",
-        "jaccard": best.jaccard,
-        "recall": best.recall,
-        "last_layer": {"jaccard": last.jaccard, "recall": last.recall, "rank": scores.index(last) + 1},
-        "candidates": len(scores),
-        "lengths": list(lengths),
-        "seeds": seeds,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    }
-    return profile, scores
-
-
-def table(scores: list[LayerScore], n_aux: int, top: int = 12) -> str:
-    """The best candidates, then every single layer (the per-layer view)."""
-    lines = [f"{'aux layers':<12} {'Jaccard':>8} {'recall@5%':>10}", "-" * 32]
+def table(scores: list[CandidateScore], n_aux: int, top: int = 12) -> str:
+    """The best candidates by fidelity, the aggregation variants, then every single layer."""
+    head = f"{'aux layers':<24} {'KL(full||·)':>11} {'Jaccard':>8} {'recall@5%':>10}"
+    lines = [head, "-" * len(head)]
     for s in scores[:top]:
-        lines.append(f"{'-'.join(map(str, s.layers)):<12} {s.jaccard:>8.3f} {s.recall:>10.3f}")
-    lines += ["", "per single layer:", f"{'layer':<6} {'Jaccard':>8} {'recall@5%':>10}"]
-    for s in sorted((x for x in scores if len(x.layers) == 1), key=lambda x: x.layers):
-        lines.append(f"{s.layers[0]:<6} {s.jaccard:>8.3f} {s.recall:>10.3f}")
+        lines.append(f"{s.name:<24} {s.kl:>11.4f} {s.jaccard:>8.3f} {s.recall:>10.3f}")
+    variants = [s for s in scores if (s.head_agg, s.row_agg, s.normalize) != ("mean", "mean", "none")]
+    if variants:
+        lines += ["", "aggregation of the best layers:"]
+        lines += [f"{s.name:<24} {s.kl:>11.4f} {s.jaccard:>8.3f} {s.recall:>10.3f}" for s in variants]
+    lines += ["", "per single layer:", f"{'layer':<6} {'KL(full||·)':>11} {'Jaccard':>8} {'recall@5%':>10}"]
+    singles = sorted((x for x in scores if len(x.layers) == 1 and x not in variants), key=lambda x: x.layers)
+    lines += [f"{s.layers[0]:<6} {s.kl:>11.4f} {s.jaccard:>8.3f} {s.recall:>10.3f}" for s in singles]
     return "\n".join(lines)

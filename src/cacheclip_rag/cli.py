@@ -143,15 +143,21 @@ def cmd_calibrate(args) -> int:
     from .calibrate import table
 
     engine = _engine(args)
-    profile, scores = engine.calibrate(tuple(args.lengths), args.samples)
+    profile, scores = engine.calibrate(tuple(args.lengths), args.samples, ratio=args.ratio, max_run=args.max_run)
     print(table(scores, engine.aux.lm.num_layers))
-    last = profile["last_layer"]
-    print(f"\nprofile for {profile['primary_name']} + {profile['aux_name']}: aux layers {profile['aux_layers']} "
-          f"(Jaccard {profile['jaccard']:.3f}, recall {profile['recall']:.3f}); the last layer ranks "
-          f"{last['rank']} of {profile['candidates']} (Jaccard {last['jaccard']:.3f}). Saved to {engine.store.profile_path}")
+    last, align = profile["last_layer"], profile["best_by_alignment"]
+    print(f"\nprofile for {profile['primary_name']} + {profile['aux_name']}: {_profile_line(profile)}, "
+          f"KL {profile['kl']:.4f} (Jaccard {profile['jaccard']:.3f}, recall {profile['recall']:.3f}).\n"
+          f"The last layer ranks {last['rank']} (KL {last['kl']:.4f}); the best by Jaccard alone would be "
+          f"{align['aux_layers']} (KL {align['kl']:.4f}). Saved to {engine.store.profile_path}")
     if args.json:
         Path(args.json).write_text(json.dumps({"profile": profile, "scores": [s.__dict__ for s in scores]}, indent=2))
     return 0
+
+
+def _profile_line(profile: dict) -> str:
+    return (f"aux layers {profile['aux_layers']}, heads {profile.get('head_agg', 'mean')}, rows "
+            f"{profile.get('row_agg', 'mean')}, normalize {profile.get('normalize', 'none')}")
 
 
 def cmd_store(args) -> int:
@@ -170,8 +176,8 @@ def cmd_store(args) -> int:
         print("  memory tier: in-process, per engine (StoreConfig.memory_bytes); hit rates in `bench ttft` output")
         profile = store.read_profile()
         if profile:
-            print(f"  selection profile: aux layers {profile['aux_layers']} for {profile['primary_name']} + "
-                  f"{profile['aux_name']} (Jaccard {profile['jaccard']:.3f}, calibrated {profile['created']})")
+            print(f"  selection profile: {_profile_line(profile)} for {profile['primary_name']} + "
+                  f"{profile['aux_name']} (calibrated {profile['created']})")
         else:
             print("  selection profile: none (the aux model's last layer scores tokens; run `cacheclip calibrate`)")
         return 0
@@ -192,9 +198,11 @@ def cmd_store(args) -> int:
 
 def _mode_list(modes: list[str], ratios: list[float]) -> list[tuple[str, float]]:
     out = []
+    from .eval.needle import PAPER_MODE
+
     for mode in modes:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+        if mode not in (*MODES, PAPER_MODE):
+            raise ValueError(f"mode must be one of {[*MODES, PAPER_MODE]}, got {mode!r}")
         if mode in ("full", "reuse", "ape"):
             out.append((mode, 1.0 if mode == "full" else 0.0))
         else:
@@ -301,10 +309,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("calibrate", help="choose the aux scoring layers for a model pair; saves a profile in the store")
+    p = sub.add_parser("calibrate", help="choose how the aux model scores tokens for a model pair; saves a profile in the store")
     _common(p)
     p.add_argument("--lengths", type=int, nargs="+", default=[1024])
     p.add_argument("--samples", type=int, default=8, help="calibration inputs per length (seeds disjoint from evaluation)")
+    p.add_argument("--ratio", type=float, default=0.2, help="recompute fraction the candidates are compared at")
+    p.add_argument("--max-run", type=int, default=3, help="longest run of adjacent aux layers tried")
     p.add_argument("--json", default=None)
     p.set_defaults(func=cmd_calibrate)
 
@@ -322,10 +332,12 @@ def parser() -> argparse.ArgumentParser:
     _common(p, store_default=str(cache_dir() / "bench-store"))
     p.add_argument("what", choices=["niah", "ttft", "alignment"])
     p.add_argument("--lengths", type=int, nargs="+", default=[2048], help="context lengths in primary tokens")
-    p.add_argument("--modes", nargs="+", default=None, help=f"modes to compare (from {list(MODES)}); full is always run")
+    p.add_argument("--modes", nargs="+", default=None, help=f"modes to compare (from {list(MODES)}, and cacheclip-paper: last aux layer, paper rule); "
+                   "full is always run")
     p.add_argument("--ratios", type=float, nargs="+", default=[0.2], help="recompute ratios for ratio modes")
     p.add_argument("--variants", nargs="+", default=None, help="needle variants (default: all eight)")
-    p.add_argument("--budget", choices=["paper", "keep"], default="paper", help="selection budget rule")
+    p.add_argument("--budget", choices=["paper", "keep"], default="keep",
+                   help="selection budget rule of cacheclip and oracle (keep: compare at equal effective fractions)")
     p.add_argument("--score-layers", type=int, nargs="+", default=None, help="aux scoring layers (default: profile or last)")
     p.add_argument("--samples", type=int, default=5, help="samples per variant and length")
     p.add_argument("--runs", type=int, default=5, help="ttft: runs per mode")

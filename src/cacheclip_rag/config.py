@@ -6,6 +6,7 @@ request, not a field here: these objects describe how the engine is built.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
@@ -54,13 +55,15 @@ class SelectConfig:
     head_agg, row_agg: aggregation over heads and over query rows ("mean" or "max").
     normalize: "none" keeps each chunk's scores as the softmax gave them (each chunk had its own
         softmax over prefix + chunk + query); "chunk" rescales each chunk's scores to sum 1.
+    For each of these four, None means: the calibrated profile's choice, else the default
+    (last layer, "mean", "mean", "none"); a value set here overrides the profile.
     window, tau: grouping window w and density threshold tau (paper defaults 8 and 5).
     """
 
     score_layers: tuple[int, ...] | None = None
-    head_agg: str = "mean"
-    row_agg: str = "mean"
-    normalize: str = "none"
+    head_agg: str | None = None
+    row_agg: str | None = None
+    normalize: str | None = None
     window: int = 8
     tau: int = 5
 
@@ -76,8 +79,16 @@ class SelectConfig:
                 raise ValueError(f"score_layers must be a non-empty tuple of layer indices or None, got {self.score_layers!r}")
             object.__setattr__(self, "score_layers", tuple(self.score_layers))
         for name, allowed in (("head_agg", ("mean", "max")), ("row_agg", ("mean", "max")), ("normalize", ("none", "chunk"))):
-            if getattr(self, name) not in allowed:
+            if getattr(self, name) not in (*allowed, None):
                 raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
+
+    def resolve(self, profile: dict | None = None) -> SelectConfig:
+        """Every scoring field set: this config's value, else the profile's, else the default."""
+        profile = profile or {}
+        layers = self.score_layers or tuple(profile.get("aux_layers") or ()) or (-1,)
+        pick = lambda name, default: getattr(self, name) or profile.get(name) or default  # noqa: E731
+        return dataclasses.replace(self, score_layers=tuple(layers), head_agg=pick("head_agg", "mean"),
+                                   row_agg=pick("row_agg", "mean"), normalize=pick("normalize", "none"))
 
 
 BUDGETS = ("paper", "keep")

@@ -7,9 +7,11 @@ mutable state.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +25,7 @@ from tqdm.auto import tqdm
 from . import models as model_lib
 from .assemble import Layout, ape_positions, build_layout, write_prefix
 from .chunking import Chunk, chunk_id, split_document
-from .config import EngineConfig, check_budget, check_mode, check_ratio
+from .config import EngineConfig, SelectConfig, check_budget, check_mode, check_ratio
 from .encode import Template, chat_template, encode_prefix, encode_segment, tokenize
 from .generate import DecodeOptions, Step, decode, hf_step
 from .index import ChunkIndex
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 _PREFIX_KEY = "__shared_prefix__"
 REQUEST_OPTIONS = (
     "recompute_ratio", "mode", "chunk_ids", "k", "max_new_tokens", "temperature", "epic_tokens", "seed", "budget",
+    "score_layers",
 )
 """Per-request options every entry point (and every framework adapter) accepts."""
 _MAX_AUX_QUERY_TOKENS = 256
@@ -52,6 +55,8 @@ class Answer:
         this request: selected chunk tokens plus every uncached token (separators, question).
     cached_tokens / computed_tokens: prompt tokens whose K/V came from the store / were computed.
     effective_fraction: recomputed chunk tokens / all chunk tokens (0 for reuse, 1 for full).
+    budget / score_layers: the selection rule and the aux layers that scored (cacheclip mode;
+        score_layers is None in every other mode).
     timings: seconds; selection, load, assemble, recompute, ttft, decode, total.
     """
 
@@ -67,6 +72,8 @@ class Answer:
     computed_tokens: int
     effective_fraction: float
     generated_tokens: int
+    budget: str = "keep"
+    score_layers: tuple[int, ...] | None = None
 
     def metadata(self) -> dict:
         """Everything but the text and the row list: what a caller needs to see reuse happened."""
@@ -81,6 +88,8 @@ class Answer:
             "computed_tokens": self.computed_tokens,
             "effective_fraction": self.effective_fraction,
             "generated_tokens": self.generated_tokens,
+            "budget": self.budget,
+            "score_layers": list(self.score_layers) if self.score_layers is not None else None,
         }
 
 
@@ -145,7 +154,9 @@ class _Request:
     options: DecodeOptions
     epic_tokens: int | None = None
     seed: int = 0
-    budget: str = "paper"
+    budget: str = "keep"
+    score_layers: tuple[int, ...] | None = None
+    """Aux scoring layers for this request; None: the engine's (config, profile, else last)."""
     trace: list[dict] = field(default_factory=list)
     """CacheClip's per-chunk selection (aux scores, kept tokens, recomputed primary tokens)."""
     timings: dict[str, float] = field(default_factory=dict)
@@ -277,12 +288,21 @@ class CacheClipEngine:
         self._open_corpus()
         return {"checked": report["checked"], "damaged": len(report["damaged"]), "rebuilt": rebuilt, "chunks": len(chunks)}
 
-    def calibrate(self, lengths: tuple[int, ...] = (1024,), samples: int = 8) -> tuple[dict, list]:
-        """Calibrate the aux scoring layers for this model pair and store the profile (used by
-        default from now on). Returns (profile, candidate scores)."""
+    def calibrate(self, lengths: tuple[int, ...] = (1024,), samples: int = 8, **kwargs) -> tuple[dict, list]:
+        """Calibrate how the aux model scores tokens for this model pair (cacheclip_rag.calibrate)
+        and store the profile, used by default from now on. The generated calibration chunks go
+        to a scratch store, never into this one. kwargs: seed, max_run, ratio, answer_tokens.
+        Returns (profile, candidate scores)."""
         from .calibrate import calibrate
 
-        profile, scores = calibrate(self.primary.lm, self.aux.lm, lengths, samples)
+        with tempfile.TemporaryDirectory(prefix="cacheclip-calibrate-") as scratch:
+            config = dataclasses.replace(self.config, select=dataclasses.replace(
+                self.config.select, score_layers=None, head_agg=None, row_agg=None, normalize=None))
+            engine = CacheClipEngine(self.primary.lm, self.aux.lm, scratch, config)
+            try:
+                profile, scores = calibrate(engine, lengths, samples, **kwargs)
+            finally:
+                engine._pool.shutdown()
         self.store.write_profile(profile)
         return profile, scores
 
@@ -308,9 +328,10 @@ class CacheClipEngine:
 
         kwargs: k; mode (see cacheclip_rag.config.MODES); recompute_ratio in [0, 1]; max_new_tokens;
         temperature (0 = greedy); stop strings; epic_tokens (epic mode: tokens per chunk, default
-        ceil(ratio x chunk length)); seed (sampling and the random mode); budget ("paper": top-k
-        candidates then grouping; "keep": grow the candidates until the grouped set reaches the
-        ratio).
+        ceil(ratio x chunk length)); seed (sampling and the random mode); budget ("keep", the
+        default: candidates are added in score order until the grouped set reaches the ratio;
+        "paper": the top ratio x tokens are candidates and grouping keeps what it keeps); score_layers (aux layers that score tokens; default: the config's, else the
+        calibrated profile's, else the last).
         """
         return self._finish(*self._collect(self._question_request(question, chunk_ids, **kwargs)))
 
@@ -354,7 +375,8 @@ class CacheClipEngine:
 
     # ----- request building -----------------------------------------------------------------
 
-    def _request(self, mode, recompute_ratio, max_new_tokens, temperature, stop, epic_tokens, seed, budget) -> dict:
+    def _request(self, mode, recompute_ratio, max_new_tokens, temperature, stop, epic_tokens, seed, budget,
+                 score_layers) -> dict:
         """Validate the per-request options shared by every entry point."""
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         opts = DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, stop=stop, seed=seed)
@@ -363,7 +385,19 @@ class CacheClipEngine:
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"seed must be an integer, got {seed!r}")
         return dict(mode=check_mode(mode), ratio=check_ratio(recompute_ratio), options=opts, epic_tokens=epic_tokens,
-                    seed=seed, budget=check_budget(budget))
+                    seed=seed, budget=check_budget(budget), score_layers=self._check_layers(score_layers))
+
+    def _check_layers(self, layers) -> tuple[int, ...] | None:
+        if layers is None:
+            return None
+        n = self.aux.lm.num_layers
+        if isinstance(layers, int) and not isinstance(layers, bool):
+            layers = (layers,)
+        if (not isinstance(layers, (list, tuple)) or not layers
+                or any(not isinstance(x, int) or isinstance(x, bool) or not -n <= x < n for x in layers)):
+            raise ValueError(f"score_layers must be aux layer indices in [-{n}, {n}) (the aux model has {n} layers), "
+                             f"got {layers!r}")
+        return tuple(layers)
 
     def _question_request(
         self,
@@ -378,11 +412,13 @@ class CacheClipEngine:
         stop: str | list[str] | None = None,
         epic_tokens: int | None = None,
         seed: int = 0,
-        budget: str = "paper",
+        budget: str = "keep",
+        score_layers: tuple[int, ...] | None = None,
     ) -> _Request:
         if not isinstance(question, str) or not question.strip():
             raise ValueError(f"question must be a non-empty string, got {question!r}")
-        common = self._request(mode, recompute_ratio, max_new_tokens, temperature, stop, epic_tokens, seed, budget)
+        common = self._request(mode, recompute_ratio, max_new_tokens, temperature, stop, epic_tokens, seed, budget,
+                               score_layers)
         if chunk_ids is None:
             chunk_ids = [cid for cid, _ in self.retrieve(question, k)]
         chunk_ids = self._check_ids(chunk_ids)
@@ -408,11 +444,13 @@ class CacheClipEngine:
         stop: str | list[str] | None = None,
         epic_tokens: int | None = None,
         seed: int = 0,
-        budget: str = "paper",
+        budget: str = "keep",
+        score_layers: tuple[int, ...] | None = None,
     ) -> _Request:
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
-        common = self._request(mode, recompute_ratio, max_new_tokens, temperature, stop, epic_tokens, seed, budget)
+        common = self._request(mode, recompute_ratio, max_new_tokens, temperature, stop, epic_tokens, seed, budget,
+                               score_layers)
         only = set(self._check_ids(chunk_ids)) if chunk_ids is not None else None
         found = self.matcher.find(prompt, only)
         if chunk_ids is not None:
@@ -613,10 +651,15 @@ class CacheClipEngine:
     @property
     def score_layers(self) -> tuple[int, ...]:
         """Aux scoring layers: the config's, else the calibrated profile of this pair, else the last."""
-        if self.config.select.score_layers is not None:
-            return self.config.select.score_layers
-        profile = self.profile
-        return tuple(profile["aux_layers"]) if profile else (-1,)
+        return self.select_config().score_layers
+
+    def select_config(self, request: _Request | None = None) -> SelectConfig:
+        """The selection config a request runs with, every scoring field set: the request's
+        layers, else the engine config's fields, else the calibrated profile's, else defaults."""
+        cfg = self.config.select.resolve(self.profile)
+        if request is not None and request.score_layers:
+            cfg = dataclasses.replace(cfg, score_layers=request.score_layers)
+        return cfg
 
     @property
     def profile(self) -> dict | None:
@@ -629,7 +672,7 @@ class CacheClipEngine:
         query_rows = torch.arange(segments[-1].end, layout.num_tokens)
         attention = attention_from_rows(lm, layout.input_ids, query_rows, [-1])[-1]
         scores = [attention[seg.start : seg.end] for seg in segments]
-        picks = pick(scores, request.ratio, self.config.select, request.budget)
+        picks = pick(scores, request.ratio, self.select_config(), request.budget)
         return torch.cat([seg.start + torch.nonzero(p.kept).flatten() for seg, p in zip(segments, picks)])
 
     def _aux_select(self, layout: Layout, request: _Request):
@@ -637,12 +680,16 @@ class CacheClipEngine:
         start = time.perf_counter()
         segments = layout.chunk_segments()
         aux_kvs = [self._chunk_kv(self.aux, seg.chunk_id, seg.text) for seg in segments]
-        query_ids = torch.cat([tokenize(self.aux.lm, request.aux_query)[0], tokenize(self.aux.lm, self.aux.template.suffix, True)[0]])
-        query_ids = query_ids[-_MAX_AUX_QUERY_TOKENS:]
+        query_ids = self._aux_query_ids(request)
         self._check_aux_length(aux_kvs, query_ids)
-        picks = select(self.aux.lm, self.config.select, request.ratio, self._prefix_kv(self.aux), aux_kvs, query_ids,
-                       layers=self.score_layers, budget=request.budget)
+        picks = select(self.aux.lm, self.select_config(request), request.ratio, self._prefix_kv(self.aux), aux_kvs,
+                       query_ids, budget=request.budget)
         return list(zip(segments, aux_kvs, picks)), time.perf_counter() - start
+
+    def _aux_query_ids(self, request: _Request) -> torch.Tensor:
+        """[Q] aux tokens of the query rows: the question, then the assistant turn's opening."""
+        ids = torch.cat([tokenize(self.aux.lm, request.aux_query)[0], tokenize(self.aux.lm, self.aux.template.suffix, True)[0]])
+        return ids[-_MAX_AUX_QUERY_TOKENS:]
 
     def _map_selection(self, layout: Layout, picks, sources: dict, request: _Request) -> torch.Tensor:
         """Kept aux tokens -> primary positions [S] through character offsets."""
@@ -686,6 +733,8 @@ class CacheClipEngine:
             computed_tokens=layout.num_tokens - cached,
             effective_fraction=recomputed_context / n_context if n_context else 0.0,
             generated_tokens=request.generated,
+            budget=request.budget,
+            score_layers=self.select_config(request).score_layers if request.mode == "cacheclip" else None,
         )
 
 

@@ -129,10 +129,12 @@ class BlendSpec:
 
 @dataclass
 class RecomputeResult:
-    """logits: [vocab] for the token after the last row; rows: [M] the rows recomputed at the last layer."""
+    """logits: [vocab] for the token after the last row; rows: [M] the rows recomputed at the last
+    layer; tail_logits: [tail, vocab] for the tokens after each of the last `tail` rows (fp32)."""
 
     logits: torch.Tensor
     rows: torch.Tensor
+    tail_logits: torch.Tensor | None = None
 
 
 def attend_ape(q, k, v, q_idx, scale: float, ape: ApeSpec) -> torch.Tensor:
@@ -171,6 +173,7 @@ def recompute_rows(
     ape: ApeSpec | None = None,
     blend: BlendSpec | None = None,
     layer_ready: Callable[[int], None] | None = None,
+    tail: int = 1,
 ) -> RecomputeResult:
     """Recompute `rows` of the request in place in `cache`; return the last row's logits.
 
@@ -179,6 +182,8 @@ def recompute_rows(
     causally by sequence index. positions: [>= rows[-1] + 1] RoPE position of each index
     (default: the index itself; APE's parallel chunks share positions). layer_ready(l) is
     called before layer l runs: the pipelined loader fills that layer of the cache meanwhile.
+    tail: how many of the last rows get logits (teacher-forced scoring; CacheBlend must not
+    drop those rows).
     """
     assert rows.numel() > 0, "nothing to recompute"
     last_row = int(rows[-1])
@@ -204,5 +209,5 @@ def recompute_rows(
         else:
             out = attend(q, keys, values, rows[None], layer.self_attn.scaling, backend)
         h = layer_finish(layer, h, out)
-    last = base.norm(h[:, -1:])
-    return RecomputeResult(lm.model.lm_head(last)[0, -1].float(), rows.cpu())
+    logits = lm.model.lm_head(base.norm(h[:, -tail:]))[0].float()  # [tail, vocab]
+    return RecomputeResult(logits[-1], rows.cpu(), logits if tail > 1 else None)

@@ -56,9 +56,25 @@ def score_chunks(
     rows are computed, and only up to the deepest scoring layer.
     Returns one fp32 tensor [L_i] per chunk.
     """
+    per_layer = score_chunks_by_layer(aux, prefix_kv, chunk_kvs, query_ids, layers, head_agg, row_agg)
+    return [torch.stack(chunk).mean(dim=0) for chunk in zip(*per_layer.values())]
+
+
+@torch.inference_mode()
+def score_chunks_by_layer(
+    aux: LoadedModel,
+    prefix_kv: ChunkKV,
+    chunk_kvs: list[ChunkKV],
+    query_ids: torch.Tensor,
+    layers: tuple[int, ...] = (-1,),
+    head_agg: str = "mean",
+    row_agg: str = "mean",
+) -> dict[int, list[torch.Tensor]]:
+    """The scoring signal of score_chunks at each requested layer, in one pass:
+    {layer (0-based): one fp32 tensor [L_i] per chunk}. Calibration scores every layer this way."""
     wanted = scoring_layers(aux, layers)
     stop = wanted[-1]
-    collected: list[list[torch.Tensor]] = []
+    collected: dict[int, list[torch.Tensor]] = {}
     base = decoder(aux)
     b = len(chunk_kvs)
     p, q_len = prefix_kv.num_tokens, int(query_ids.numel())
@@ -83,9 +99,9 @@ def score_chunks(
         q, k, v = layer_qkv(layer, h, cos, sin)
         keys = _batched(prefix_kv.keys[layer_idx], [kv.keys[layer_idx] for kv in chunk_kvs], l_max, k)
         if layer_idx in wanted:
-            collected.append(_query_to_chunk(q, keys, mask, layer.self_attn.scaling, p, lens, head_agg, row_agg))
+            collected[layer_idx] = _query_to_chunk(q, keys, mask, layer.self_attn.scaling, p, lens, head_agg, row_agg)
         if layer_idx == stop:
-            return [torch.stack(per_layer).mean(dim=0) for per_layer in zip(*collected)]
+            return collected
         values = _batched(prefix_kv.values[layer_idx], [kv.values[layer_idx] for kv in chunk_kvs], l_max, v)
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, scale=layer.self_attn.scaling, enable_gqa=q.shape[1] != keys.shape[1]
@@ -216,14 +232,19 @@ def select(
     aux_prefix: ChunkKV,
     aux_chunks: list[ChunkKV],
     query_ids: torch.Tensor,
-    layers: tuple[int, ...] = (-1,),
     budget: str = "paper",
 ) -> list[ChunkSelection]:
-    """Score, pick candidates and group, per chunk, in aux token space."""
-    scores = score_chunks(aux, aux_prefix, aux_chunks, query_ids, layers, cfg.head_agg, cfg.row_agg)
-    if cfg.normalize == "chunk":
-        scores = [s / s.sum() if s.sum() > 0 else s for s in scores]
-    return pick(scores, ratio, cfg, budget)
+    """Score, pick candidates and group, per chunk, in aux token space. cfg: resolved
+    (SelectConfig.resolve), so its scoring layers and aggregations are all set."""
+    scores = score_chunks(aux, aux_prefix, aux_chunks, query_ids, cfg.score_layers, cfg.head_agg, cfg.row_agg)
+    return pick(normalized(scores, cfg.normalize), ratio, cfg, budget)
+
+
+def normalized(scores: list[torch.Tensor], how: str) -> list[torch.Tensor]:
+    """"chunk": each chunk's scores rescaled to sum 1; "none": as they are."""
+    if how == "chunk":
+        return [s / s.sum() if s.sum() > 0 else s for s in scores]
+    return scores
 
 
 def pick(scores: list[torch.Tensor], ratio: float, cfg: SelectConfig, budget: str = "paper") -> list[ChunkSelection]:

@@ -20,6 +20,18 @@ from .niah import VARIANTS, generate, score
 
 log = logging.getLogger(__name__)
 
+PAPER_MODE = "cacheclip-paper"
+"""Bench-only mode name: CacheClip as the paper configures it (aux last layer, top-k candidates
+then grouping, whatever fraction remains), beside `cacheclip` with the engine's scoring layers
+(calibrated profile) and the bench's budget rule."""
+
+
+def request_for(mode: str, budget: str) -> dict:
+    """The engine options of a bench mode name."""
+    if mode == PAPER_MODE:
+        return dict(mode="cacheclip", budget="paper", score_layers=(-1,))
+    return dict(mode=mode, budget=budget)
+
 
 @dataclass
 class NeedleResult:
@@ -75,8 +87,8 @@ def run(
                 rows_of: list[tuple[NeedleResult, set[int]]] = []
                 full_ttft = None
                 for mode, ratio in modes:
-                    ans = engine.answer(sample.question, chunk_ids=ids, mode=mode, recompute_ratio=ratio,
-                                        max_new_tokens=max_new_tokens, seed=seed + i, budget=budget)
+                    ans = engine.answer(sample.question, chunk_ids=ids, recompute_ratio=ratio,
+                                        max_new_tokens=max_new_tokens, seed=seed + i, **request_for(mode, budget))
                     recomputed = set(ans.recomputed) & chunk_rows
                     t = ans.timings
                     if mode == "full":
