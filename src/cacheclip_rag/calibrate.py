@@ -132,6 +132,7 @@ def calibrate(
     variants = [measure(CandidateScore(best.layers, h, r, nz))
                 for h, r in AGGREGATIONS for nz in NORMALIZATIONS if (h, r, nz) != ("mean", "mean", "none")]
     chosen = min([best, *variants], key=lambda c: c.kl)
+    baselines = _baselines(engine, data, ratio, seed)
     last = next(c for c in layer_scores if c.layers == (n_aux - 1,))
     by_alignment = max(layer_scores, key=lambda c: (c.jaccard, c.recall))
     profile = {
@@ -145,6 +146,7 @@ def calibrate(
         "normalize": chosen.normalize,
         "criterion": "fidelity: mean KL(full || reused) over full attention's teacher-forced answer",
         "kl": chosen.kl,
+        "baseline_kl": baselines,
         "jaccard": chosen.jaccard,
         "recall": chosen.recall,
         "last_layer": {"kl": last.kl, "jaccard": last.jaccard, "recall": last.recall,
@@ -203,6 +205,23 @@ def _forced_logprobs(engine: CacheClipEngine, layout, base_cache, answer: torch.
     return torch.log_softmax(logits, dim=-1)
 
 
+def _kl(full: torch.Tensor, other: torch.Tensor) -> float:
+    """Mean over positions of KL(full || other); both [T, vocab] log-probabilities."""
+    return float((full.exp() * (full - other)).sum(-1).mean())
+
+
+def _baselines(engine: CacheClipEngine, data: list[_Sample], ratio: float, seed: int) -> dict[str, float]:
+    """The scale of the KL column: reuse (nothing recomputed) and random rows at the ratio."""
+    gen = torch.Generator().manual_seed(seed)
+    reuse, random = [], []
+    for d in data:
+        chunk_rows = d.layout.chunk_rows()
+        pick = chunk_rows[torch.randperm(chunk_rows.numel(), generator=gen)[: round(ratio * chunk_rows.numel())]]
+        reuse.append(_kl(d.full_logprobs, _forced_logprobs(engine, d.layout, d.base_cache, d.answer, chunk_rows[:0])))
+        random.append(_kl(d.full_logprobs, _forced_logprobs(engine, d.layout, d.base_cache, d.answer, pick)))
+    return {"reuse": statistics.mean(reuse), "random": statistics.mean(random)}
+
+
 def _measure(engine: CacheClipEngine, data: list[_Sample], cand: CandidateScore, ratio: float, window: int, tau: int) -> CandidateScore:
     kls, jacs, recs = [], [], []
     for d in data:
@@ -213,7 +232,7 @@ def _measure(engine: CacheClipEngine, data: list[_Sample], cand: CandidateScore,
         rows = [seg.start + torch.nonzero(map_tokens(a_off, k, p_off, len(text))).flatten()
                 for seg, a_off, k, p_off, text in zip(d.layout.chunk_segments(), d.aux_offsets, kept, d.pri_offsets, d.texts)]
         logprobs = _forced_logprobs(engine, d.layout, d.base_cache, d.answer, torch.cat(rows))
-        kls.append(float((d.full_logprobs.exp() * (d.full_logprobs - logprobs)).sum(-1).mean()))
+        kls.append(_kl(d.full_logprobs, logprobs))
         signal = torch.cat([_chars(s, off, len(text)) for s, off, text in zip(scores, d.aux_offsets, d.texts)])
         jacs.append(_top_jaccard(signal, d.reference_chars))
         ref_top = _top(d.reference_chars, 0.05)

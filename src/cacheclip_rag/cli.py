@@ -145,6 +145,8 @@ def cmd_calibrate(args) -> int:
     engine = _engine(args)
     profile, scores = engine.calibrate(tuple(args.lengths), args.samples, ratio=args.ratio, max_run=args.max_run)
     print(table(scores, engine.aux.lm.num_layers))
+    base = profile["baseline_kl"]
+    print(f"\nfor scale: KL of reuse (nothing recomputed) {base['reuse']:.4f}, of random rows at the ratio {base['random']:.4f}")
     last, align = profile["last_layer"], profile["best_by_alignment"]
     print(f"\nprofile for {profile['primary_name']} + {profile['aux_name']}: {_profile_line(profile)}, "
           f"KL {profile['kl']:.4f} (Jaccard {profile['jaccard']:.3f}, recall {profile['recall']:.3f}).\n"
