@@ -34,6 +34,7 @@ import torch
 
 from .assemble import assemble
 from .encode import tokenize
+from .eval.alignment import to_chars, top_jaccard
 from .eval.niah import generate
 from .recompute import recompute_rows
 from .select import attention_from_rows, keep_budget, map_tokens, normalized, score_chunks_by_layer
@@ -188,7 +189,7 @@ def _prepare(engine: CacheClipEngine, variant: str, length: int, seed: int, answ
     query_rows = torch.arange(segs[-1].end, layout.num_tokens)
     attention = attention_from_rows(primary.lm, layout.input_ids, query_rows, [-1])[-1]
     pri_offsets = [pri_kvs[seg.chunk_id].offsets for seg in segs]
-    reference = torch.cat([_chars(attention[seg.start : seg.end], off, len(seg.text)) for seg, off in zip(segs, pri_offsets)])
+    reference = torch.cat([to_chars(attention[seg.start : seg.end], off, len(seg.text)) for seg, off in zip(segs, pri_offsets)])
     return _Sample(layout, base_cache, answer, full_logprobs, [kv.offsets for kv in aux_kvs], pri_offsets,
                    [seg.text for seg in segs], aux_scores, reference)
 
@@ -233,8 +234,8 @@ def _measure(engine: CacheClipEngine, data: list[_Sample], cand: CandidateScore,
                 for seg, a_off, k, p_off, text in zip(d.layout.chunk_segments(), d.aux_offsets, kept, d.pri_offsets, d.texts)]
         logprobs = _forced_logprobs(engine, d.layout, d.base_cache, d.answer, torch.cat(rows))
         kls.append(_kl(d.full_logprobs, logprobs))
-        signal = torch.cat([_chars(s, off, len(text)) for s, off, text in zip(scores, d.aux_offsets, d.texts)])
-        jacs.append(_top_jaccard(signal, d.reference_chars))
+        signal = torch.cat([to_chars(s, off, len(text)) for s, off, text in zip(scores, d.aux_offsets, d.texts)])
+        jacs.append(top_jaccard(signal, d.reference_chars))
         ref_top = _top(d.reference_chars, 0.05)
         recs.append(len(_top(signal, 0.2) & ref_top) / len(ref_top))
     cand.kl, cand.jaccard, cand.recall = statistics.mean(kls), statistics.mean(jacs), statistics.mean(recs)
@@ -243,28 +244,9 @@ def _measure(engine: CacheClipEngine, data: list[_Sample], cand: CandidateScore,
     return cand
 
 
-def _chars(weights: torch.Tensor, offsets: torch.Tensor, n_chars: int) -> torch.Tensor:
-    """Token weights [T] -> character weights [n_chars]: each token's weight spread evenly over
-    its characters (offsets [T, 2] into a text of n_chars)."""
-    starts = offsets[:, 0].clamp(0, n_chars)
-    ends = offsets[:, 1].clamp(0, n_chars)
-    width = (ends - starts).clamp(min=1)
-    diff = torch.zeros(n_chars + 1, dtype=torch.float64)
-    per_char = weights.double() / width
-    ok = ends > starts
-    diff.index_add_(0, starts[ok], per_char[ok])
-    diff.index_add_(0, ends[ok], -per_char[ok])
-    return diff.cumsum(0)[:n_chars]
-
-
 def _top(x: torch.Tensor, frac: float) -> set[int]:
     k = max(1, int(frac * x.numel()))
     return set(torch.argsort(x, descending=True, stable=True)[:k].tolist())
-
-
-def _top_jaccard(a: torch.Tensor, b: torch.Tensor, frac: float = 0.2) -> float:
-    sa, sb = _top(a, frac), _top(b, frac)
-    return len(sa & sb) / len(sa | sb)
 
 
 def table(scores: list[CandidateScore], n_aux: int, top: int = 12) -> str:

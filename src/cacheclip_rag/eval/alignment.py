@@ -41,13 +41,16 @@ def last_token_attention(lm: LoadedModel, text: str, layers: list[int]) -> tuple
 
 
 def to_chars(weights: torch.Tensor, offsets: torch.Tensor, n_chars: int) -> torch.Tensor:
-    """Spread each token's weight evenly over its characters; characters beyond n_chars are cut."""
-    chars = torch.zeros(n_chars, dtype=torch.float64)
-    for w, (s, e) in zip(weights.tolist(), offsets.tolist()):
-        s, e = min(s, n_chars), min(e, n_chars)
-        if e > s:
-            chars[s:e] += w / (e - s)
-    return chars
+    """Token weights [T] -> character weights [n_chars] (fp64): each token's weight spread evenly
+    over its characters (offsets [T, 2]); characters beyond n_chars are cut."""
+    starts = offsets[:, 0].clamp(0, n_chars)
+    ends = offsets[:, 1].clamp(0, n_chars)
+    ok = ends > starts
+    per_char = weights.double()[ok] / (ends - starts)[ok]
+    diff = torch.zeros(n_chars + 1, dtype=torch.float64)  # + where a token's span opens, - where it closes
+    diff.index_add_(0, starts[ok], per_char)
+    diff.index_add_(0, ends[ok], -per_char)
+    return diff.cumsum(0)[:n_chars]
 
 
 def top_jaccard(a: torch.Tensor, b: torch.Tensor, frac: float = 0.2) -> float:
