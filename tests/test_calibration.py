@@ -6,6 +6,7 @@ import torch
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig, SelectConfig
 from cacheclip_rag import calibrate as calibrate_mod
 from cacheclip_rag.eval import needle
+from cacheclip_rag.recompute import recompute_rows
 from cacheclip_rag.select import attention_from_rows, keep_budget, pick
 
 from conftest import CORPUS
@@ -127,3 +128,29 @@ def test_profile_round_trips_and_is_used_by_default(tiny_pair, tmp_path):
 def test_score_layers_request_option_is_validated(eng, bad):
     with pytest.raises(ValueError, match="score_layers"):
         eng.answer(Q, chunk_ids=eng.ids, score_layers=bad, max_new_tokens=1)
+
+
+def test_teacher_forced_fidelity_matches_a_plain_forward_and_reuse(eng):
+    """The calibration signal's oracles: every chunk row recomputed gives the model's own forward
+    over prompt + answer; no row recomputed gives direct reuse's own decoding logits."""
+    from cacheclip_rag.assemble import assemble
+
+    request = eng._question_request(Q, eng.ids)
+    layout = eng._layout(eng.primary, request)
+    kvs = {s.chunk_id: eng._chunk_kv(eng.primary, s.chunk_id) for s in layout.chunk_segments()}
+    answer = torch.tensor([5, 9, 13, 2])
+    cache = assemble(eng.primary.lm, layout, eng._prefix_kv(eng.primary), kvs, capacity=layout.num_tokens + 4)
+    full = calibrate_mod._forced_logprobs(eng, layout, cache, answer, layout.chunk_rows())
+    with torch.inference_mode():
+        logits = eng.primary.lm.model(input_ids=torch.cat([layout.input_ids, answer[:-1]])[None]).logits[0].float()
+    expected = torch.log_softmax(logits[layout.num_tokens - 1 :], dim=-1)
+    torch.testing.assert_close(full, expected, atol=1e-4, rtol=1e-4)
+    assert calibrate_mod._kl(full, full) == 0.0
+    # The base cache is copied, never written: a second call sees the same reused cache.
+    reuse_a = calibrate_mod._forced_logprobs(eng, layout, cache, answer, layout.chunk_rows()[:0])
+    reuse_b = calibrate_mod._forced_logprobs(eng, layout, cache, answer, layout.chunk_rows()[:0])
+    torch.testing.assert_close(reuse_a, reuse_b)
+    fresh = assemble(eng.primary.lm, layout, eng._prefix_kv(eng.primary), kvs)
+    first = recompute_rows(eng.primary.lm, fresh, layout.input_ids, layout.uncached_rows()).logits
+    torch.testing.assert_close(reuse_a[0], torch.log_softmax(first, dim=-1), atol=1e-4, rtol=1e-4)
+    assert calibrate_mod._kl(full, reuse_a) > 0
