@@ -154,3 +154,19 @@ def test_teacher_forced_fidelity_matches_a_plain_forward_and_reuse(eng):
     first = recompute_rows(eng.primary.lm, fresh, layout.input_ids, layout.uncached_rows()).logits
     torch.testing.assert_close(reuse_a[0], torch.log_softmax(first, dim=-1), atol=1e-4, rtol=1e-4)
     assert calibrate_mod._kl(full, reuse_a) > 0
+
+
+def test_left_at_hard_weighs_only_the_positions_reuse_gets_wrong():
+    reuse = torch.tensor([0.0, 0.0, 0.0, 4.0])  # one hard position of four
+    assert calibrate_mod._left_at_hard(torch.tensor([9.0, 9.0, 9.0, 1.0]), reuse) == 0.25
+    assert calibrate_mod._left_at_hard(reuse, reuse) == 1.0
+    assert calibrate_mod._left_at_hard(torch.zeros(4), torch.zeros(4)) == 0.0
+
+
+def test_calibration_criterion_is_validated_and_recorded(eng):
+    with pytest.raises(ValueError, match="criterion"):
+        eng.calibrate(lengths=(120,), samples=1, criterion="loss")
+    profile, scores = eng.calibrate(lengths=(120,), samples=1, answer_tokens=4, criterion="hard")
+    assert profile["criterion"] == "hard"
+    layer_scores = [s for s in scores if (s.head_agg, s.row_agg, s.normalize) == ("mean", "mean", "none")]
+    assert [s.left_at_hard for s in layer_scores] == sorted(s.left_at_hard for s in layer_scores)

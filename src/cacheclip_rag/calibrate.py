@@ -49,6 +49,9 @@ CALIBRATION_SEED_BASE = 1_000_000
 VARIANTS = ("multikey_1", "multivalue", "multiquery", "single_2")
 AGGREGATIONS = (("mean", "mean"), ("max", "mean"), ("mean", "max"), ("max", "max"))
 NORMALIZATIONS = ("none", "chunk")
+CRITERIA = ("kl", "hard")
+HARD_FRACTION = 0.25
+"""The answer positions where direct reuse diverges most from full attention, as a share."""
 TOP_SINGLES = 5
 """Runs of adjacent layers are tried around this many of the best single layers."""
 
@@ -64,7 +67,10 @@ class CandidateScore:
     kl: float = float("nan")
     jaccard: float = float("nan")
     recall: float = float("nan")
+    left_at_hard: float = float("nan")
+    """Mean over samples of the share of reuse's divergence left at reuse's hardest positions."""
     per_sample_kl: list[float] = field(default_factory=list)
+    per_position_kl: list[list[float]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -82,6 +88,8 @@ class _Sample:
     base_cache: object
     answer: torch.Tensor
     full_logprobs: torch.Tensor
+    reuse_kl: torch.Tensor
+    """[T] KL(full || reuse) per answer position: where direct reuse goes wrong."""
     aux_offsets: list[torch.Tensor]
     pri_offsets: list[torch.Tensor]
     texts: list[str]
@@ -97,8 +105,12 @@ def calibrate(
     max_run: int = 3,
     ratio: float = 0.2,
     answer_tokens: int = 64,
+    criterion: str = "kl",
 ) -> tuple[dict, list[CandidateScore]]:
     """Calibrate on `engine` (a scratch one: calibration chunks are ingested into its store).
+
+    criterion: "kl" ranks candidates by mean KL(full || reused) over the answer; "hard" by the
+    share of direct reuse's divergence they leave at reuse's hardest quarter of answer positions.
 
     Returns (profile, every layer candidate's scores, best first, then the aggregation variants
     of the best layers).
@@ -107,6 +119,9 @@ def calibrate(
         raise ValueError(f"calibration seeds must be >= {CALIBRATION_SEED_BASE} (evaluation uses the ones below), got {seed}")
     if not 0 < ratio < 1:
         raise ValueError(f"calibration ratio must be in (0, 1), got {ratio}")
+    if criterion not in CRITERIA:
+        raise ValueError(f"criterion must be one of {list(CRITERIA)}, got {criterion!r}")
+    rank = (lambda c: c.kl) if criterion == "kl" else (lambda c: c.left_at_hard)  # noqa: E731
     n_aux = engine.aux.lm.num_layers
     data, seeds = [], []
     for length in lengths:
@@ -124,15 +139,15 @@ def calibrate(
     measure = lambda cand: _measure(engine, data, cand, ratio, window, tau)  # noqa: E731
     # Every single layer, then the runs of adjacent layers that hold one of the best singles.
     layer_scores = [measure(CandidateScore((i,))) for i in range(n_aux)]
-    best_singles = {c.layers[0] for c in sorted(layer_scores, key=lambda c: c.kl)[:TOP_SINGLES]}
+    best_singles = {c.layers[0] for c in sorted(layer_scores, key=rank)[:TOP_SINGLES]}
     runs = sorted({tuple(range(i, i + r)) for r in range(2, max_run + 1) for i in range(n_aux - r + 1)
                    if best_singles & set(range(i, i + r))})
     layer_scores += [measure(CandidateScore(run)) for run in runs]
-    layer_scores.sort(key=lambda c: (c.kl, len(c.layers), -c.jaccard))
+    layer_scores.sort(key=lambda c: (rank(c), len(c.layers), -c.jaccard))
     best = layer_scores[0]
     variants = [measure(CandidateScore(best.layers, h, r, nz))
                 for h, r in AGGREGATIONS for nz in NORMALIZATIONS if (h, r, nz) != ("mean", "mean", "none")]
-    chosen = min([best, *variants], key=lambda c: c.kl)
+    chosen = min([best, *variants], key=rank)
     baselines = _baselines(engine, data, ratio, seed)
     last = next(c for c in layer_scores if c.layers == (n_aux - 1,))
     by_alignment = max(layer_scores, key=lambda c: (c.jaccard, c.recall))
@@ -145,14 +160,16 @@ def calibrate(
         "head_agg": chosen.head_agg,
         "row_agg": chosen.row_agg,
         "normalize": chosen.normalize,
-        "criterion": "fidelity: mean KL(full || reused) over full attention's teacher-forced answer",
+        "criterion": criterion,
         "kl": chosen.kl,
+        "left_at_hard": chosen.left_at_hard,
         "baseline_kl": baselines,
         "jaccard": chosen.jaccard,
         "recall": chosen.recall,
-        "last_layer": {"kl": last.kl, "jaccard": last.jaccard, "recall": last.recall,
+        "last_layer": {"kl": last.kl, "left_at_hard": last.left_at_hard, "jaccard": last.jaccard, "recall": last.recall,
                        "rank": layer_scores.index(last) + 1},
         "best_by_alignment": {"aux_layers": list(by_alignment.layers), "kl": by_alignment.kl,
+                              "left_at_hard": by_alignment.left_at_hard,
                               "jaccard": by_alignment.jaccard, "recall": by_alignment.recall},
         "candidates": len(layer_scores) + len(variants),
         "ratio": ratio,
@@ -160,7 +177,7 @@ def calibrate(
         "seeds": seeds,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    return profile, layer_scores + sorted(variants, key=lambda c: c.kl)
+    return profile, layer_scores + sorted(variants, key=rank)
 
 
 @torch.inference_mode()
@@ -180,6 +197,7 @@ def _prepare(engine: CacheClipEngine, variant: str, length: int, seed: int, answ
     base_cache = assemble(primary.lm, layout, engine._prefix_kv(primary), pri_kvs,
                           capacity=layout.num_tokens + answer.numel())
     full_logprobs = _forced_logprobs(engine, layout, base_cache, answer, layout.chunk_rows())
+    reuse_kl = _kl_positions(full_logprobs, _forced_logprobs(engine, layout, base_cache, answer, layout.chunk_rows()[:0]))
 
     query_ids = engine._aux_query_ids(request)
     every = tuple(range(aux.lm.num_layers))
@@ -190,7 +208,7 @@ def _prepare(engine: CacheClipEngine, variant: str, length: int, seed: int, answ
     attention = attention_from_rows(primary.lm, layout.input_ids, query_rows, [-1])[-1]
     pri_offsets = [pri_kvs[seg.chunk_id].offsets for seg in segs]
     reference = torch.cat([to_chars(attention[seg.start : seg.end], off, len(seg.text)) for seg, off in zip(segs, pri_offsets)])
-    return _Sample(layout, base_cache, answer, full_logprobs, [kv.offsets for kv in aux_kvs], pri_offsets,
+    return _Sample(layout, base_cache, answer, full_logprobs, reuse_kl, [kv.offsets for kv in aux_kvs], pri_offsets,
                    [seg.text for seg in segs], aux_scores, reference)
 
 
@@ -206,25 +224,43 @@ def _forced_logprobs(engine: CacheClipEngine, layout, base_cache, answer: torch.
     return torch.log_softmax(logits, dim=-1)
 
 
+def _kl_positions(full: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """KL(full || other) [T] per position; both [T, vocab] log-probabilities."""
+    return (full.exp() * (full - other)).sum(-1).clamp(min=0)
+
+
 def _kl(full: torch.Tensor, other: torch.Tensor) -> float:
-    """Mean over positions of KL(full || other); both [T, vocab] log-probabilities."""
-    return float((full.exp() * (full - other)).sum(-1).mean())
+    """Mean over positions of KL(full || other)."""
+    return float(_kl_positions(full, other).mean())
+
+
+def _left_at_hard(kl: torch.Tensor, reuse_kl: torch.Tensor, frac: float = HARD_FRACTION) -> float:
+    """Share of direct reuse's divergence a candidate leaves at the positions where reuse
+    diverges most (its top `frac` of answer positions): 0 = fixed, 1 = as bad as reuse."""
+    k = max(1, round(frac * reuse_kl.numel()))
+    hard = torch.topk(reuse_kl, k).indices
+    total = float(reuse_kl[hard].sum())
+    return float(kl[hard].sum()) / total if total > 0 else 0.0
 
 
 def _baselines(engine: CacheClipEngine, data: list[_Sample], ratio: float, seed: int) -> dict[str, float]:
     """The scale of the KL column: reuse (nothing recomputed) and random rows at the ratio."""
     gen = torch.Generator().manual_seed(seed)
     reuse, random = [], []
+    random_hard = []
     for d in data:
         chunk_rows = d.layout.chunk_rows()
         pick = chunk_rows[torch.randperm(chunk_rows.numel(), generator=gen)[: round(ratio * chunk_rows.numel())]]
-        reuse.append(_kl(d.full_logprobs, _forced_logprobs(engine, d.layout, d.base_cache, d.answer, chunk_rows[:0])))
-        random.append(_kl(d.full_logprobs, _forced_logprobs(engine, d.layout, d.base_cache, d.answer, pick)))
-    return {"reuse": statistics.mean(reuse), "random": statistics.mean(random)}
+        reuse.append(float(d.reuse_kl.mean()))
+        kl = _kl_positions(d.full_logprobs, _forced_logprobs(engine, d.layout, d.base_cache, d.answer, pick))
+        random.append(float(kl.mean()))
+        random_hard.append(_left_at_hard(kl, d.reuse_kl))
+    return {"reuse": statistics.mean(reuse), "random": statistics.mean(random),
+            "random_left_at_hard": statistics.mean(random_hard)}
 
 
 def _measure(engine: CacheClipEngine, data: list[_Sample], cand: CandidateScore, ratio: float, window: int, tau: int) -> CandidateScore:
-    kls, jacs, recs = [], [], []
+    kls, jacs, recs, hards, positions = [], [], [], [], []
     for d in data:
         by_layer = d.aux_scores[(cand.head_agg, cand.row_agg)]
         scores = [torch.stack([by_layer[layer][c] for layer in cand.layers]).mean(dim=0) for c in range(len(d.texts))]
@@ -233,14 +269,18 @@ def _measure(engine: CacheClipEngine, data: list[_Sample], cand: CandidateScore,
         rows = [seg.start + torch.nonzero(map_tokens(a_off, k, p_off, len(text))).flatten()
                 for seg, a_off, k, p_off, text in zip(d.layout.chunk_segments(), d.aux_offsets, kept, d.pri_offsets, d.texts)]
         logprobs = _forced_logprobs(engine, d.layout, d.base_cache, d.answer, torch.cat(rows))
-        kls.append(_kl(d.full_logprobs, logprobs))
+        kl = _kl_positions(d.full_logprobs, logprobs)
+        kls.append(float(kl.mean()))
+        hards.append(_left_at_hard(kl, d.reuse_kl))
+        positions.append([round(x, 6) for x in kl.tolist()])
         signal = torch.cat([to_chars(s, off, len(text)) for s, off, text in zip(scores, d.aux_offsets, d.texts)])
         jacs.append(top_jaccard(signal, d.reference_chars))
         ref_top = _top(d.reference_chars, 0.05)
         recs.append(len(_top(signal, 0.2) & ref_top) / len(ref_top))
     cand.kl, cand.jaccard, cand.recall = statistics.mean(kls), statistics.mean(jacs), statistics.mean(recs)
-    cand.per_sample_kl = kls
-    log.info("candidate %s: KL %.4f, Jaccard %.3f, recall %.3f", cand.name, cand.kl, cand.jaccard, cand.recall)
+    cand.per_sample_kl, cand.left_at_hard, cand.per_position_kl = kls, statistics.mean(hards), positions
+    log.info("candidate %s: KL %.4f, left at hard %.3f, Jaccard %.3f, recall %.3f",
+             cand.name, cand.kl, cand.left_at_hard, cand.jaccard, cand.recall)
     return cand
 
 
@@ -250,16 +290,20 @@ def _top(x: torch.Tensor, frac: float) -> set[int]:
 
 
 def table(scores: list[CandidateScore], n_aux: int, top: int = 12) -> str:
-    """The best candidates by fidelity, the aggregation variants, then every single layer."""
-    head = f"{'aux layers':<24} {'KL(full||·)':>11} {'Jaccard':>8} {'recall@5%':>10}"
+    """The best candidates, the aggregation variants of the best layers, then every single layer."""
+    def row(name: str, s: CandidateScore) -> str:
+        return f"{name:<24} {s.kl:>11.4f} {s.left_at_hard:>8.3f} {s.jaccard:>8.3f} {s.recall:>10.3f}"
+
+    head = f"{'aux layers':<24} {'KL(full||·)':>11} {'hard':>8} {'Jaccard':>8} {'recall@5%':>10}"
     lines = [head, "-" * len(head)]
-    for s in scores[:top]:
-        lines.append(f"{s.name:<24} {s.kl:>11.4f} {s.jaccard:>8.3f} {s.recall:>10.3f}")
+    lines += [row(s.name, s) for s in scores[:top]]
     variants = [s for s in scores if (s.head_agg, s.row_agg, s.normalize) != ("mean", "mean", "none")]
     if variants:
-        lines += ["", "aggregation of the best layers:"]
-        lines += [f"{s.name:<24} {s.kl:>11.4f} {s.jaccard:>8.3f} {s.recall:>10.3f}" for s in variants]
-    lines += ["", "per single layer:", f"{'layer':<6} {'KL(full||·)':>11} {'Jaccard':>8} {'recall@5%':>10}"]
+        lines += ["", "aggregation of the best layers:"] + [row(s.name, s) for s in variants]
     singles = sorted((x for x in scores if len(x.layers) == 1 and x not in variants), key=lambda x: x.layers)
-    lines += [f"{s.layers[0]:<6} {s.kl:>11.4f} {s.jaccard:>8.3f} {s.recall:>10.3f}" for s in singles]
+    lines += ["", "per single layer:", head.replace("aux layers", "layer     "), "-" * len(head)]
+    lines += [row(str(s.layers[0]), s) for s in singles]
+    lines += ["", "KL: mean KL(full || reused) over full attention's teacher-forced answer; hard: share of direct",
+              "reuse's divergence left at its hardest quarter of answer positions; Jaccard / recall@5%: alignment",
+              "with the primary's last-layer attention (top-20% characters)."]
     return "\n".join(lines)

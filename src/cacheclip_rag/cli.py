@@ -143,13 +143,16 @@ def cmd_calibrate(args) -> int:
     from .calibrate import table
 
     engine = _engine(args)
-    profile, scores = engine.calibrate(tuple(args.lengths), args.samples, ratio=args.ratio, max_run=args.max_run)
+    profile, scores = engine.calibrate(tuple(args.lengths), args.samples, ratio=args.ratio, max_run=args.max_run,
+                                       criterion=args.criterion)
     print(table(scores, engine.aux.lm.num_layers))
     base = profile["baseline_kl"]
-    print(f"\nfor scale: KL of reuse (nothing recomputed) {base['reuse']:.4f}, of random rows at the ratio {base['random']:.4f}")
+    print(f"\nfor scale: KL of reuse (nothing recomputed) {base['reuse']:.4f}; random rows at the ratio: KL "
+          f"{base['random']:.4f}, hard {base['random_left_at_hard']:.3f}")
     last, align = profile["last_layer"], profile["best_by_alignment"]
     print(f"\nprofile for {profile['primary_name']} + {profile['aux_name']}: {_profile_line(profile)}, "
-          f"KL {profile['kl']:.4f} (Jaccard {profile['jaccard']:.3f}, recall {profile['recall']:.3f}).\n"
+          f"by {profile['criterion']}: KL {profile['kl']:.4f}, hard {profile['left_at_hard']:.3f} "
+          f"(Jaccard {profile['jaccard']:.3f}, recall {profile['recall']:.3f}).\n"
           f"The last layer ranks {last['rank']} (KL {last['kl']:.4f}); the best by Jaccard alone would be "
           f"{align['aux_layers']} (KL {align['kl']:.4f}). Saved to {engine.store.profile_path}")
     if args.json:
@@ -317,6 +320,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=8, help="calibration inputs per length (seeds disjoint from evaluation)")
     p.add_argument("--ratio", type=float, default=0.2, help="recompute fraction the candidates are compared at")
     p.add_argument("--max-run", type=int, default=3, help="longest run of adjacent aux layers tried")
+    p.add_argument("--criterion", choices=["kl", "hard"], default="kl",
+                   help="kl: mean KL over the answer; hard: divergence left where reuse diverges most")
     p.add_argument("--json", default=None)
     p.set_defaults(func=cmd_calibrate)
 
