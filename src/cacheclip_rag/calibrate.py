@@ -13,12 +13,15 @@ averaged) that holds one of the best single layers. Every candidate is measured 
   the primary's top-5% characters inside the candidate's top 20%;
 - **fidelity**, what recomputation is for: the candidate's selection at the calibration ratio
   (budget-keeping) is recomputed in the reused cache, full attention's own greedy answer is
-  teacher-forced through it, and the mean KL divergence KL(full || candidate) of the next-token
-  distributions over that answer is taken (lower is better; no label is involved).
+  teacher-forced through it, and the KL divergence KL(full || candidate) of the next-token
+  distributions is taken at each answer position (no label is involved). Two summaries: its
+  mean over the answer ("kl"), and the share of direct reuse's divergence the candidate leaves
+  at the quarter of answer positions where reuse diverges most ("hard": the positions where
+  recomputation has something to fix, such as the digits of a retrieved value).
 
-The profile takes the candidate with the lowest mean KL (fewer layers on ties); the aggregation
-over heads and query rows and the per-chunk normalization are then chosen the same way for those
-layers. Measured on the default pair, alignment with the primary's last layer does not pick the
+The profile takes the candidate best by the chosen criterion (fewer layers on ties); the
+aggregation over heads and query rows and the per-chunk normalization are then chosen the same
+way for those layers. Measured on the default pair, alignment with the primary's last layer does not pick the
 layers that find what the primary needs (docs/benchmarks.md); it is reported beside fidelity.
 """
 
