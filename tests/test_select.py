@@ -2,7 +2,7 @@
 
 import torch
 
-from cacheclip_rag.select import group_window, map_tokens, score_chunks, top_k_candidates
+from cacheclip_rag.select import group_window, map_tokens, mean_over_layers, score_chunks_by_layer, top_k_candidates
 from cacheclip_rag.encode import encode_prefix, encode_segment, tokenize
 
 from conftest import CORPUS
@@ -93,10 +93,23 @@ def test_scores_are_a_distribution_over_chunk_tokens(tiny_pair):
     prefix = encode_prefix(aux, "System prompt.\n\n")
     chunks = [encode_segment(aux, prefix.token_ids, t) for t in CORPUS[:3]]
     query, _ = tokenize(aux, "Question: what is the code?")
-    scores = score_chunks(aux, prefix, chunks, query)
+    scores = mean_over_layers(score_chunks_by_layer(aux, prefix, chunks, query))
     assert [s.numel() for s in scores] == [c.num_tokens for c in chunks]
     for s in scores:
         assert (s >= 0).all() and 0 < s.sum() <= 1.0 + 1e-5
     # Batched scoring equals scoring each chunk alone (padding does not leak).
-    alone = score_chunks(aux, prefix, chunks[1:2], query)[0]
+    alone = mean_over_layers(score_chunks_by_layer(aux, prefix, chunks[1:2], query))[0]
     torch.testing.assert_close(alone, scores[1], atol=1e-5, rtol=1e-4)
+
+
+def test_one_pass_over_many_layers_equals_one_pass_per_layer(tiny_pair):
+    _, aux = tiny_pair
+    prefix = encode_prefix(aux, "System prompt.\n\n")
+    chunks = [encode_segment(aux, prefix.token_ids, t) for t in CORPUS[:2]]
+    query, _ = tokenize(aux, "Question: what is the code?")
+    both = score_chunks_by_layer(aux, prefix, chunks, query, layers=(0, -1), head_agg="max", row_agg="max")
+    assert sorted(both) == [0, aux.num_layers - 1]
+    for layer in both:
+        alone = score_chunks_by_layer(aux, prefix, chunks, query, layers=(layer,), head_agg="max", row_agg="max")[layer]
+        for a, b in zip(alone, both[layer]):
+            torch.testing.assert_close(a, b)

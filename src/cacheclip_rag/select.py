@@ -40,27 +40,6 @@ def scoring_layers(aux: LoadedModel, layers: tuple[int, ...]) -> list[int]:
 
 
 @torch.inference_mode()
-def score_chunks(
-    aux: LoadedModel,
-    prefix_kv: ChunkKV,
-    chunk_kvs: list[ChunkKV],
-    query_ids: torch.Tensor,
-    layers: tuple[int, ...] = (-1,),
-    head_agg: str = "mean",
-    row_agg: str = "mean",
-) -> list[torch.Tensor]:
-    """Aux attention of the query over each chunk's tokens, averaged over the scoring layers.
-
-    prefix_kv: aux cache of the prefix (positions [0, P)); chunk_kvs: aux caches of the chunks,
-    each prefilled after that prefix; query_ids: [Q] aux tokens of the query. Only the query
-    rows are computed, and only up to the deepest scoring layer.
-    Returns one fp32 tensor [L_i] per chunk.
-    """
-    per_layer = score_chunks_by_layer(aux, prefix_kv, chunk_kvs, query_ids, layers, head_agg, row_agg)
-    return [torch.stack(chunk).mean(dim=0) for chunk in zip(*per_layer.values())]
-
-
-@torch.inference_mode()
 def score_chunks_by_layer(
     aux: LoadedModel,
     prefix_kv: ChunkKV,
@@ -70,8 +49,13 @@ def score_chunks_by_layer(
     head_agg: str = "mean",
     row_agg: str = "mean",
 ) -> dict[int, list[torch.Tensor]]:
-    """The scoring signal of score_chunks at each requested layer, in one pass:
-    {layer (0-based): one fp32 tensor [L_i] per chunk}. Calibration scores every layer this way."""
+    """Aux attention of the query over each chunk's tokens, at each requested layer, in one pass.
+
+    prefix_kv: aux cache of the prefix (positions [0, P)); chunk_kvs: aux caches of the chunks,
+    each prefilled after that prefix; query_ids: [Q] aux tokens of the query. Only the query
+    rows are computed, and only up to the deepest requested layer. Returns {layer (0-based): one
+    fp32 tensor [L_i] per chunk}; `mean_over_layers` makes one score per token of it.
+    """
     wanted = scoring_layers(aux, layers)
     stop = wanted[-1]
     collected: dict[int, list[torch.Tensor]] = {}
@@ -108,6 +92,11 @@ def score_chunks_by_layer(
         )
         h = layer_finish(layer, h, out)
     raise AssertionError("scoring layer not reached")
+
+
+def mean_over_layers(per_layer: dict[int, list[torch.Tensor]]) -> list[torch.Tensor]:
+    """{layer: [L_i] per chunk} -> [L_i] per chunk, averaged over the layers."""
+    return [torch.stack(chunk).mean(dim=0) for chunk in zip(*per_layer.values())]
 
 
 def _batched(prefix: torch.Tensor, chunks: list[torch.Tensor], l_max: int, query: torch.Tensor) -> torch.Tensor:
@@ -236,7 +225,8 @@ def select(
 ) -> list[ChunkSelection]:
     """Score, pick candidates and group, per chunk, in aux token space. cfg: resolved
     (SelectConfig.resolve), so its scoring layers and aggregations are all set."""
-    scores = score_chunks(aux, aux_prefix, aux_chunks, query_ids, cfg.score_layers, cfg.head_agg, cfg.row_agg)
+    per_layer = score_chunks_by_layer(aux, aux_prefix, aux_chunks, query_ids, cfg.score_layers, cfg.head_agg, cfg.row_agg)
+    scores = mean_over_layers(per_layer)
     return pick(normalized(scores, cfg.normalize), ratio, cfg, budget)
 
 
