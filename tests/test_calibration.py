@@ -170,3 +170,15 @@ def test_calibration_criterion_is_validated_and_recorded(eng):
     assert profile["criterion"] == "hard"
     layer_scores = [s for s in scores if (s.head_agg, s.row_agg, s.normalize) == ("mean", "mean", "none")]
     assert [s.left_at_hard for s in layer_scores] == sorted(s.left_at_hard for s in layer_scores)
+
+
+def test_chunk_start_tokens_are_always_recomputed(tiny_pair, tmp_path):
+    with pytest.raises(ValueError, match="chunk_start_tokens"):
+        SelectConfig(chunk_start_tokens=-1)
+    cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4), select=SelectConfig(chunk_start_tokens=3))
+    eng = CacheClipEngine(*tiny_pair, tmp_path, cfg)
+    ids = eng.ingest(CORPUS, progress=False)[:4]
+    ans = eng.answer(Q, chunk_ids=ids, recompute_ratio=0.1, max_new_tokens=1)
+    layout = eng._layout(eng.primary, eng._question_request(Q, ids))
+    starts = {seg.start + i for seg in layout.chunk_segments() for i in range(3)}
+    assert starts <= set(ans.recomputed)

@@ -58,6 +58,10 @@ class SelectConfig:
     For each of these four, None means: the calibrated profile's choice, else the default
     (last layer, "mean", "mean", "none"); a value set here overrides the profile.
     window, tau: grouping window w and density threshold tau (paper defaults 8 and 5).
+    chunk_start_tokens: also recompute the first n tokens of every chunk (experimental, default
+        0): each chunk was prefilled as the start of its own sequence, so its first tokens carry
+        attention-sink K/V that full attention would not have there (EPIC's argument). They are
+        added to the selection and counted in the effective fraction.
     """
 
     score_layers: tuple[int, ...] | None = None
@@ -66,8 +70,12 @@ class SelectConfig:
     normalize: str | None = None
     window: int = 8
     tau: int = 5
+    chunk_start_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.chunk_start_tokens, int) or isinstance(self.chunk_start_tokens, bool) \
+                or self.chunk_start_tokens < 0:
+            raise ValueError(f"chunk_start_tokens must be a non-negative integer, got {self.chunk_start_tokens!r}")
         _check_positive("window", self.window)
         _check_positive("tau", self.tau)
         if self.tau > self.window:

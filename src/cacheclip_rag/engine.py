@@ -697,6 +697,7 @@ class CacheClipEngine:
         for seg, aux_kv, pick in picks:
             primary_offsets = sources[seg.chunk_id].offsets
             mask = map_tokens(aux_kv.offsets, pick.kept, primary_offsets, len(seg.text))
+            mask[: self.config.select.chunk_start_tokens] = True
             rows.append(seg.start + torch.nonzero(mask).flatten())
             request.trace.append(dict(
                 chunk_id=seg.chunk_id, text=seg.text, aux_offsets=aux_kv.offsets, aux_scores=pick.scores,
