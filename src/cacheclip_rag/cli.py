@@ -202,9 +202,9 @@ def cmd_store(args) -> int:
 
 
 def _mode_list(modes: list[str], ratios: list[float]) -> list[tuple[str, float]]:
-    out = []
     from .eval.needle import PAPER_MODE
 
+    out = []
     for mode in modes:
         if mode not in (*MODES, PAPER_MODE):
             raise ValueError(f"mode must be one of {[*MODES, PAPER_MODE]}, got {mode!r}")

@@ -33,7 +33,7 @@ from .models import LoadedModel
 from .recognize import ChunkMatcher
 from .pipeline import LayerFeeder
 from .recompute import ApeSpec, AssembledCache, BlendSpec, recompute_rows
-from .select import attention_from_rows, map_tokens, pick, select
+from .select import attention_from_rows, map_tokens, pick, scoring_layers, select
 from .store import ChunkKV, KVStore
 
 log = logging.getLogger(__name__)
@@ -155,8 +155,9 @@ class _Request:
     epic_tokens: int | None = None
     seed: int = 0
     budget: str = "keep"
-    score_layers: tuple[int, ...] | None = None
-    """Aux scoring layers for this request; None: the engine's (config, profile, else last)."""
+    select: SelectConfig | None = None
+    """The selection config this request runs with, resolved once when it is built
+    (`CacheClipEngine.select_config`): every scoring field set."""
     trace: list[dict] = field(default_factory=list)
     """CacheClip's per-chunk selection (aux scores, kept tokens, recomputed primary tokens)."""
     timings: dict[str, float] = field(default_factory=dict)
@@ -296,9 +297,7 @@ class CacheClipEngine:
         from .calibrate import calibrate
 
         with tempfile.TemporaryDirectory(prefix="cacheclip-calibrate-") as scratch:
-            config = dataclasses.replace(self.config, select=dataclasses.replace(
-                self.config.select, score_layers=None, head_agg=None, row_agg=None, normalize=None))
-            engine = CacheClipEngine(self.primary.lm, self.aux.lm, scratch, config)
+            engine = CacheClipEngine(self.primary.lm, self.aux.lm, scratch, self.config)
             try:
                 profile, scores = calibrate(engine, lengths, samples, **kwargs)
             finally:
@@ -330,8 +329,9 @@ class CacheClipEngine:
         temperature (0 = greedy); stop strings; epic_tokens (epic mode: tokens per chunk, default
         ceil(ratio x chunk length)); seed (sampling and the random mode); budget ("keep", the
         default: candidates are added in score order until the grouped set reaches the ratio;
-        "paper": the top ratio x tokens are candidates and grouping keeps what it keeps); score_layers (aux layers that score tokens; default: the config's, else the
-        calibrated profile's, else the last).
+        "paper": the top ratio x tokens are candidates and grouping keeps what it keeps);
+        score_layers (aux layers that score tokens; default: the config's, else the calibrated
+        profile's, else the last).
         """
         return self._finish(*self._collect(self._question_request(question, chunk_ids, **kwargs)))
 
@@ -385,18 +385,16 @@ class CacheClipEngine:
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"seed must be an integer, got {seed!r}")
         return dict(mode=check_mode(mode), ratio=check_ratio(recompute_ratio), options=opts, epic_tokens=epic_tokens,
-                    seed=seed, budget=check_budget(budget), score_layers=self._check_layers(score_layers))
+                    seed=seed, budget=check_budget(budget), select=self.select_config(self._check_layers(score_layers)))
 
     def _check_layers(self, layers) -> tuple[int, ...] | None:
         if layers is None:
             return None
-        n = self.aux.lm.num_layers
         if isinstance(layers, int) and not isinstance(layers, bool):
             layers = (layers,)
-        if (not isinstance(layers, (list, tuple)) or not layers
-                or any(not isinstance(x, int) or isinstance(x, bool) or not -n <= x < n for x in layers)):
-            raise ValueError(f"score_layers must be aux layer indices in [-{n}, {n}) (the aux model has {n} layers), "
-                             f"got {layers!r}")
+        if not isinstance(layers, (list, tuple)) or not layers or any(not isinstance(x, int) or isinstance(x, bool) for x in layers):
+            raise ValueError(f"score_layers must be a non-empty list of aux layer indices, got {layers!r}")
+        scoring_layers(self.aux.lm, layers)  # range check against the aux model
         return tuple(layers)
 
     def _question_request(
@@ -653,13 +651,12 @@ class CacheClipEngine:
         """Aux scoring layers: the config's, else the calibrated profile of this pair, else the last."""
         return self.select_config().score_layers
 
-    def select_config(self, request: _Request | None = None) -> SelectConfig:
-        """The selection config a request runs with, every scoring field set: the request's
-        layers, else the engine config's fields, else the calibrated profile's, else defaults."""
+    def select_config(self, score_layers: tuple[int, ...] | None = None) -> SelectConfig:
+        """The selection config a request runs with, every scoring field set: `score_layers`
+        (a request's), else the engine config's fields, else the calibrated profile's (read from
+        the store now), else defaults."""
         cfg = self.config.select.resolve(self.profile)
-        if request is not None and request.score_layers:
-            cfg = dataclasses.replace(cfg, score_layers=request.score_layers)
-        return cfg
+        return dataclasses.replace(cfg, score_layers=score_layers) if score_layers else cfg
 
     @property
     def profile(self) -> dict | None:
@@ -672,7 +669,7 @@ class CacheClipEngine:
         query_rows = torch.arange(segments[-1].end, layout.num_tokens)
         attention = attention_from_rows(lm, layout.input_ids, query_rows, [-1])[-1]
         scores = [attention[seg.start : seg.end] for seg in segments]
-        picks = pick(scores, request.ratio, self.select_config(), request.budget)
+        picks = pick(scores, request.ratio, request.select, request.budget)
         return torch.cat([seg.start + torch.nonzero(p.kept).flatten() for seg, p in zip(segments, picks)])
 
     def _aux_select(self, layout: Layout, request: _Request):
@@ -682,8 +679,8 @@ class CacheClipEngine:
         aux_kvs = [self._chunk_kv(self.aux, seg.chunk_id, seg.text) for seg in segments]
         query_ids = self._aux_query_ids(request)
         self._check_aux_length(aux_kvs, query_ids)
-        picks = select(self.aux.lm, self.select_config(request), request.ratio, self._prefix_kv(self.aux), aux_kvs,
-                       query_ids, budget=request.budget)
+        picks = select(self.aux.lm, request.select, request.ratio, self._prefix_kv(self.aux), aux_kvs, query_ids,
+                       budget=request.budget)
         return list(zip(segments, aux_kvs, picks)), time.perf_counter() - start
 
     def _aux_query_ids(self, request: _Request) -> torch.Tensor:
@@ -697,7 +694,7 @@ class CacheClipEngine:
         for seg, aux_kv, pick in picks:
             primary_offsets = sources[seg.chunk_id].offsets
             mask = map_tokens(aux_kv.offsets, pick.kept, primary_offsets, len(seg.text))
-            mask[: self.config.select.chunk_start_tokens] = True
+            mask[: request.select.chunk_start_tokens] = True
             rows.append(seg.start + torch.nonzero(mask).flatten())
             request.trace.append(dict(
                 chunk_id=seg.chunk_id, text=seg.text, aux_offsets=aux_kv.offsets, aux_scores=pick.scores,
@@ -735,7 +732,7 @@ class CacheClipEngine:
             effective_fraction=recomputed_context / n_context if n_context else 0.0,
             generated_tokens=request.generated,
             budget=request.budget,
-            score_layers=self.select_config(request).score_layers if request.mode == "cacheclip" else None,
+            score_layers=request.select.score_layers if request.mode == "cacheclip" else None,
         )
 
 

@@ -35,7 +35,7 @@ def scoring_layers(aux: LoadedModel, layers: tuple[int, ...]) -> list[int]:
     n = aux.num_layers
     bad = [layer for layer in layers if not -n <= layer < n]
     if bad:
-        raise ValueError(f"score layers {bad} are outside the aux model's {n} layers")
+        raise ValueError(f"score_layers {bad} are outside the aux model's {n} layers (valid: {-n} to {n - 1})")
     return sorted({layer % n for layer in layers})
 
 
