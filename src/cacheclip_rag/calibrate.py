@@ -35,12 +35,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .assemble import assemble
+from .assemble import Layout, assemble
 from .encode import tokenize
-from .eval.alignment import to_chars, top_jaccard
+from .eval.alignment import to_chars, top_jaccard, top_positions
 from .eval.niah import generate
-from .recompute import recompute_rows
-from .select import attention_from_rows, keep_budget, map_tokens, normalized, score_chunks_by_layer
+from .recompute import AssembledCache, recompute_rows
+from .select import attention_from_rows, keep_budget, map_tokens, mean_over_layers, normalized, score_chunks_by_layer
 
 if TYPE_CHECKING:
     from .engine import CacheClipEngine
@@ -87,8 +87,8 @@ class _Sample:
     """What one calibration input needs, computed once: the primary's reference signals, the
     aux's per-layer scores per aggregation, and everything to replay a selection."""
 
-    layout: object
-    base_cache: object
+    layout: Layout
+    base_cache: AssembledCache
     answer: torch.Tensor
     full_logprobs: torch.Tensor
     reuse_kl: torch.Tensor
@@ -215,11 +215,12 @@ def _prepare(engine: CacheClipEngine, variant: str, length: int, seed: int, answ
                    [seg.text for seg in segs], aux_scores, reference)
 
 
-def _forced_logprobs(engine: CacheClipEngine, layout, base_cache, answer: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+def _forced_logprobs(engine: CacheClipEngine, layout: Layout, base_cache: AssembledCache, answer: torch.Tensor,
+                     selected: torch.Tensor) -> torch.Tensor:
     """Log-probabilities [T, vocab] of each answer token's position, with `selected` chunk rows
     (and every uncached row, and the answer) recomputed in a copy of the reused cache."""
     n, t = layout.num_tokens, int(answer.numel())
-    cache = type(base_cache)([k.clone() for k in base_cache.keys], [v.clone() for v in base_cache.values])
+    cache = AssembledCache([k.clone() for k in base_cache.keys], [v.clone() for v in base_cache.values])
     ids = torch.cat([layout.input_ids, answer[:-1]])
     rows = torch.unique(torch.cat([layout.uncached_rows(), selected, torch.arange(n, n + t - 1)]))
     result = recompute_rows(engine.primary.lm, cache, ids, rows, backend=engine.config.attention_backend, tail=t)
@@ -230,11 +231,6 @@ def _forced_logprobs(engine: CacheClipEngine, layout, base_cache, answer: torch.
 def _kl_positions(full: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """KL(full || other) [T] per position; both [T, vocab] log-probabilities."""
     return (full.exp() * (full - other)).sum(-1).clamp(min=0)
-
-
-def _kl(full: torch.Tensor, other: torch.Tensor) -> float:
-    """Mean over positions of KL(full || other)."""
-    return float(_kl_positions(full, other).mean())
 
 
 def _left_at_hard(kl: torch.Tensor, reuse_kl: torch.Tensor, frac: float = HARD_FRACTION) -> float:
@@ -266,8 +262,7 @@ def _measure(engine: CacheClipEngine, data: list[_Sample], cand: CandidateScore,
     kls, jacs, recs, hards, positions = [], [], [], [], []
     for d in data:
         by_layer = d.aux_scores[(cand.head_agg, cand.row_agg)]
-        scores = [torch.stack([by_layer[layer][c] for layer in cand.layers]).mean(dim=0) for c in range(len(d.texts))]
-        scores = normalized(scores, cand.normalize)
+        scores = normalized(mean_over_layers({layer: by_layer[layer] for layer in cand.layers}), cand.normalize)
         kept = keep_budget(scores, ratio, window, tau)
         rows = [seg.start + torch.nonzero(map_tokens(a_off, k, p_off, len(text))).flatten()
                 for seg, a_off, k, p_off, text in zip(d.layout.chunk_segments(), d.aux_offsets, kept, d.pri_offsets, d.texts)]
@@ -278,18 +273,13 @@ def _measure(engine: CacheClipEngine, data: list[_Sample], cand: CandidateScore,
         positions.append([round(x, 6) for x in kl.tolist()])
         signal = torch.cat([to_chars(s, off, len(text)) for s, off, text in zip(scores, d.aux_offsets, d.texts)])
         jacs.append(top_jaccard(signal, d.reference_chars))
-        ref_top = _top(d.reference_chars, 0.05)
-        recs.append(len(_top(signal, 0.2) & ref_top) / len(ref_top))
+        ref_top = top_positions(d.reference_chars, 0.05)
+        recs.append(len(top_positions(signal, 0.2) & ref_top) / len(ref_top))
     cand.kl, cand.jaccard, cand.recall = statistics.mean(kls), statistics.mean(jacs), statistics.mean(recs)
     cand.per_sample_kl, cand.left_at_hard, cand.per_position_kl = kls, statistics.mean(hards), positions
     log.info("candidate %s: KL %.4f, left at hard %.3f, Jaccard %.3f, recall %.3f",
              cand.name, cand.kl, cand.left_at_hard, cand.jaccard, cand.recall)
     return cand
-
-
-def _top(x: torch.Tensor, frac: float) -> set[int]:
-    k = max(1, int(frac * x.numel()))
-    return set(torch.argsort(x, descending=True, stable=True)[:k].tolist())
 
 
 def table(scores: list[CandidateScore], n_aux: int, top: int = 12) -> str:

@@ -53,10 +53,14 @@ def to_chars(weights: torch.Tensor, offsets: torch.Tensor, n_chars: int) -> torc
     return diff.cumsum(0)[:n_chars]
 
 
+def top_positions(x: torch.Tensor, frac: float) -> set[int]:
+    """Indices of the top `frac` of x (at least one; ties broken by position)."""
+    k = max(1, int(frac * x.numel()))
+    return set(torch.argsort(x, descending=True, stable=True)[:k].tolist())
+
+
 def top_jaccard(a: torch.Tensor, b: torch.Tensor, frac: float = 0.2) -> float:
-    k = max(1, int(frac * a.numel()))
-    sa = set(torch.argsort(a, descending=True, stable=True)[:k].tolist())
-    sb = set(torch.argsort(b, descending=True, stable=True)[:k].tolist())
+    sa, sb = top_positions(a, frac), top_positions(b, frac)
     return len(sa & sb) / len(sa | sb)
 
 
