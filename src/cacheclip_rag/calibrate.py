@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from tqdm.auto import tqdm
 
 from .assemble import Layout, assemble
 from .encode import tokenize
@@ -109,6 +110,7 @@ def calibrate(
     ratio: float = 0.2,
     answer_tokens: int = 64,
     criterion: str = "kl",
+    progress: bool = True,
 ) -> tuple[dict, list[CandidateScore]]:
     """Calibrate on `engine` (a scratch one: calibration chunks are ingested into its store).
 
@@ -127,29 +129,38 @@ def calibrate(
     rank = (lambda c: c.kl) if criterion == "kl" else (lambda c: c.left_at_hard)  # noqa: E731
     n_aux = engine.aux.lm.num_layers
     data, seeds = [], []
-    for length in lengths:
-        for i in range(samples):
-            s = seed + 1000 * length + i
-            seeds.append(s)
-            sample = _prepare(engine, VARIANTS[i % len(VARIANTS)], length, s, answer_tokens)
-            if sample is not None:
-                data.append(sample)
-            log.info("calibration sample %d/%d prepared", len(seeds), len(lengths) * samples)
+    with tqdm(total=len(lengths) * samples, desc="calibration inputs", unit="input", disable=not progress) as bar:
+        for length in lengths:
+            for i in range(samples):
+                s = seed + 1000 * length + i
+                seeds.append(s)
+                sample = _prepare(engine, VARIANTS[i % len(VARIANTS)], length, s, answer_tokens)
+                if sample is not None:
+                    data.append(sample)
+                bar.update()
     if not data:
         raise ValueError("no calibration sample gave an answer to calibrate against")
 
     window, tau = engine.config.select.window, engine.config.select.tau
-    measure = lambda cand: _measure(engine, data, cand, ratio, window, tau)  # noqa: E731
+    bar = tqdm(total=n_aux, desc="calibration candidates", unit="candidate", disable=not progress)
+
+    def measure(cand: CandidateScore) -> CandidateScore:
+        bar.update()
+        return _measure(engine, data, cand, ratio, window, tau)
+
     # Every single layer, then the runs of adjacent layers that hold one of the best singles.
     layer_scores = [measure(CandidateScore((i,))) for i in range(n_aux)]
     best_singles = {c.layers[0] for c in sorted(layer_scores, key=rank)[:TOP_SINGLES]}
     runs = sorted({tuple(range(i, i + r)) for r in range(2, max_run + 1) for i in range(n_aux - r + 1)
                    if best_singles & set(range(i, i + r))})
+    bar.total += len(runs) + len(AGGREGATIONS) * len(NORMALIZATIONS) - 1
+    bar.refresh()
     layer_scores += [measure(CandidateScore(run)) for run in runs]
     layer_scores.sort(key=lambda c: (rank(c), len(c.layers), -c.jaccard))
     best = layer_scores[0]
     variants = [measure(CandidateScore(best.layers, h, r, nz))
                 for h, r in AGGREGATIONS for nz in NORMALIZATIONS if (h, r, nz) != ("mean", "mean", "none")]
+    bar.close()
     chosen = min([best, *variants], key=rank)
     baselines = _baselines(engine, data, ratio, seed)
     last = next(c for c in layer_scores if c.layers == (n_aux - 1,))

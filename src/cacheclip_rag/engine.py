@@ -292,7 +292,8 @@ class CacheClipEngine:
     def calibrate(self, lengths: tuple[int, ...] = (1024,), samples: int = 8, **kwargs) -> tuple[dict, list]:
         """Calibrate how the aux model scores tokens for this model pair (cacheclip_rag.calibrate)
         and store the profile, used by default from now on. The generated calibration chunks go
-        to a scratch store, never into this one. kwargs: seed, max_run, ratio, answer_tokens.
+        to a scratch store, never into this one. kwargs: seed, max_run, ratio, answer_tokens, criterion,
+        progress (progress bars, default on).
         Returns (profile, candidate scores)."""
         from .calibrate import calibrate
 
