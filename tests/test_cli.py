@@ -51,6 +51,29 @@ def test_calibrate_then_store_stats_shows_the_profile(folders, tmp_path, capsys)
     assert f"selection profile: aux layers {profile['aux_layers']}" in capsys.readouterr().out
 
 
+def test_bench_niah_pools_saved_runs_without_loading_models(tmp_path, capsys):
+    from cacheclip_rag.eval import needle
+
+    def row(mode, ratio, seed, score):
+        return needle.NeedleResult(length=64, variant="multikey_1", seed=seed, mode=mode, ratio=ratio, score=score,
+                                   answer=str(score), ttft=1.0, ttft_vs_full=1.0, selection=0.0, load=0.0,
+                                   assemble=0.0, recompute=0.0, effective_fraction=ratio, prompt_tokens=9,
+                                   needle_coverage=1.0, oracle_overlap=float("nan"))
+
+    for seed in (0, 1):
+        run = [row("full", 1.0, seed, 1.0), row("reuse", 0.0, seed, 0.0), row("cacheclip", 0.2, seed, float(seed))]
+        needle.write_json(run, needle.summarize(run), tmp_path / f"s{seed}.json")
+    out = tmp_path / "pooled.json"
+    assert main(["bench", "niah", "--from", str(tmp_path / "s0.json"), str(tmp_path / "s1.json"), "--json", str(out),
+                 "--versus", "cacheclip@0.2", "--primary", "no-such-model"]) == 0
+    printed = capsys.readouterr().out
+    assert "Paired differences" in printed and "cacheclip@0.2" in printed
+    pooled = json.loads(out.read_text())
+    assert len(pooled["samples"]) == 6 and {p["other"] for p in pooled["versus"]} == {"full", "reuse"}
+    assert main(["bench", "ttft", "--from", str(out)]) == 2
+    assert "--from and --versus apply to `bench niah`" in capsys.readouterr().err
+
+
 def test_bad_input_exits_2_with_a_message(folders, tmp_path, capsys):
     assert main(["ask", "q?", "--ratio", "1.5", *_args(folders, tmp_path / "empty")]) == 2
     assert "recompute_ratio must be in [0, 1]" in capsys.readouterr().err

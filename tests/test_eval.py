@@ -10,6 +10,7 @@ from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
 from cacheclip_rag.eval import alignment, html, needle, plots, qa, ttft
 from cacheclip_rag.eval.metrics import best_of, exact_match, normalize, rouge_l, token_f1
 from cacheclip_rag.eval.niah import VARIANTS, generate, score
+from cacheclip_rag.eval.stats import bootstrap_interval, mean_of_means
 
 from conftest import CORPUS
 
@@ -81,6 +82,60 @@ def test_qa_dataset_loader(tmp_path):
     bad.write_bytes(b"\xff\xfe not utf8")
     with pytest.raises(ValueError, match="UTF-8"):
         qa.load_dataset(bad)
+
+
+def test_bootstrap_interval_is_seeded_stratified_and_brackets_the_mean():
+    groups = {"a": [0.0, 1.0, 1.0, 0.0, 1.0], "b": [1.0, 1.0, 0.5]}
+    lo, hi = bootstrap_interval(groups)
+    assert (lo, hi) == bootstrap_interval(groups)  # seeded: the same table every time
+    assert lo < mean_of_means(groups) < hi and 0.0 <= lo and hi <= 1.0
+    assert bootstrap_interval({"a": [0.5], "b": [1.0]}) == pytest.approx((0.75, 0.75))  # one sample each: no spread
+    wide = bootstrap_interval(groups, level=0.99)
+    assert wide[0] <= lo and hi <= wide[1]
+    with pytest.raises(ValueError, match="at least one value"):
+        bootstrap_interval({"a": []})
+
+
+def _result(mode, ratio, variant, seed, score, answer="x"):
+    return needle.NeedleResult(length=100, variant=variant, seed=seed, mode=mode, ratio=ratio, score=score,
+                               answer=answer, ttft=1.0, ttft_vs_full=1.0, selection=0.0, load=0.0, assemble=0.0,
+                               recompute=0.0, effective_fraction=ratio, prompt_tokens=10, needle_coverage=0.5,
+                               oracle_overlap=float("nan"))
+
+
+def test_versus_pairs_samples_and_counts_wins():
+    results = []
+    for seed, (a, b) in enumerate([(1.0, 0.0), (1.0, 1.0), (0.0, 1.0), (1.0, 0.0)]):
+        results += [_result("full", 1.0, "multivalue", seed, 1.0), _result("cacheclip", 0.2, "multivalue", seed, a),
+                    _result("reuse", 0.0, "multivalue", seed, b)]
+    results.append(_result("cacheclip", 0.2, "multivalue", 9, 1.0))  # no reuse run on seed 9: not paired
+    rows = needle.summarize(results)
+    clip = next(r for r in rows if r["label"] == "cacheclip@0.2")
+    assert clip["wins_losses_vs_reuse"] == (2, 1) and clip["samples"] == 5
+    pairs = {p["other"]: p for p in needle.versus(results, rows, "cacheclip@0.2")}
+    assert pairs["reuse"]["samples"] == 4 and pairs["reuse"]["diff"] == pytest.approx(0.25)
+    assert pairs["reuse"]["wins_losses"] == (2, 1) and pairs["full"]["wins_losses"] == (0, 1)
+    lo, hi = pairs["reuse"]["diff_ci95"]
+    assert lo < 0.25 < hi
+    assert "[" in needle.versus_table(list(pairs.values())) and "95% CI" in needle.table(rows)
+    with pytest.raises(ValueError, match="no bench row is labelled 'oracle@0.2'"):
+        needle.versus(results, rows, "oracle@0.2")
+
+
+def test_load_pools_runs_and_refuses_a_sample_counted_twice(tmp_path):
+    run_a = [_result("full", 1.0, "multivalue", 0, 1.0), _result("reuse", 0.0, "multivalue", 0, 0.0)]
+    run_b = [_result("full", 1.0, "multivalue", 0, 1.0), _result("cacheclip", 0.2, "multivalue", 0, 1.0)]
+    for name, run in (("a.json", run_a), ("b.json", run_b)):
+        needle.write_json(run, needle.summarize(run), tmp_path / name)
+    pooled = needle.load([tmp_path / "a.json", tmp_path / "b.json"])
+    assert sorted(r.mode for r in pooled) == ["cacheclip", "full", "reuse"]  # the shared full answer kept once
+    run_c = [_result("reuse", 0.0, "multivalue", 0, 1.0, answer="other")]
+    needle.write_json(run_c, needle.summarize(run_c), tmp_path / "c.json")
+    with pytest.raises(ValueError, match=r"c.json: sample .* is also in .*a.json with another answer"):
+        needle.load([tmp_path / "a.json", tmp_path / "c.json"])
+    (tmp_path / "d.json").write_text('{"summary": []}')
+    with pytest.raises(ValueError, match="d.json: not a needle bench JSON"):
+        needle.load([tmp_path / "d.json"])
 
 
 @pytest.fixture(scope="module")

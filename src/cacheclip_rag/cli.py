@@ -216,6 +216,8 @@ def _mode_list(modes: list[str], ratios: list[float]) -> list[tuple[str, float]]
 
 
 def cmd_bench(args) -> int:
+    if args.what != "niah" and (args.from_json or args.versus):
+        raise ValueError(f"--from and --versus apply to `bench niah`, not `bench {args.what}`")
     if args.what == "alignment":
         from .eval import alignment
         from .models import load
@@ -225,32 +227,46 @@ def cmd_bench(args) -> int:
         if args.json:
             alignment.write_json(rows, args.json)
         return 0
-    engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
-    if args.what == "ttft":
-        from .eval import ttft
+    if args.what == "niah":
+        return _bench_niah(args)
+    from .eval import ttft
 
-        rows = ttft.run(engine, args.lengths, _mode_list(args.modes or ["full", "reuse", "cacheclip"], args.ratios),
-                        runs=args.runs, max_new_tokens=args.max_new_tokens)
-        print(ttft.table(rows))
-        if args.json:
-            ttft.write_json(rows, args.json)
-        if args.plot:
-            ttft.plot(rows, args.plot)
-        stats = engine.store.stats
-        print(f"store memory tier: {stats.memory_hits} hits, {stats.disk_hits} disk reads, {stats.misses} misses")
-        return 0
+    engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
+    rows = ttft.run(engine, args.lengths, _mode_list(args.modes or ["full", "reuse", "cacheclip"], args.ratios),
+                    runs=args.runs, max_new_tokens=args.max_new_tokens)
+    print(ttft.table(rows))
+    if args.json:
+        ttft.write_json(rows, args.json)
+    if args.plot:
+        ttft.plot(rows, args.plot)
+    stats = engine.store.stats
+    print(f"store memory tier: {stats.memory_hits} hits, {stats.disk_hits} disk reads, {stats.misses} misses")
+    return 0
+
+
+def _bench_niah(args) -> int:
+    """Run the needle suite, or pool saved runs (--from), and print the tables."""
     from .eval import needle
 
-    modes = _mode_list(args.modes or ["full", "reuse", "ape", "cacheblend", "epic", "random", "cacheclip"], args.ratios)
-    results = needle.run(engine, modes, variants=args.variants, lengths=args.lengths, samples=args.samples,
-                         seed=args.seed, max_new_tokens=args.max_new_tokens, progress=lambda m: log.info(m),
-                         budget=args.budget)
+    if args.from_json:
+        results = needle.load(args.from_json)
+    else:
+        engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
+        modes = _mode_list(args.modes or ["full", "reuse", "ape", "cacheblend", "epic", "random", "cacheclip"], args.ratios)
+        results = needle.run(engine, modes, variants=args.variants, lengths=args.lengths, samples=args.samples,
+                             seed=args.seed, max_new_tokens=args.max_new_tokens, progress=lambda m: log.info(m),
+                             budget=args.budget)
     rows = needle.summarize(results)
     print(needle.table(rows))
-    if any(m == "oracle" for m, _ in modes):
+    if any(r["mode"] == "oracle" for r in rows):
         print("* oracle: analysis only; it selects with the primary's own attention from a full prefill")
+    labels = args.versus or list(dict.fromkeys(r["label"] for r in rows if r["mode"] == "cacheclip"))
+    pairs = [p for label in labels for p in needle.versus(results, rows, label)]
+    if pairs:
+        print("\nPaired differences on the same samples (x100; 95% stratified bootstrap interval):")
+        print(needle.versus_table(pairs))
     if args.json:
-        needle.write_json(results, rows, args.json)
+        needle.write_json(results, rows, args.json, pairs)
     if args.plot:
         from .eval import plots
 
@@ -353,6 +369,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--plot", default=None, help="write PNGs next to this path (niah: -quality, -ttft; ttft: -breakdown, -ratio)")
+    p.add_argument("--from", dest="from_json", nargs="+", default=None, metavar="JSON",
+                   help="niah: pool these saved runs (disjoint seeds) instead of running")
+    p.add_argument("--versus", nargs="+", default=None, metavar="LABEL",
+                   help="niah: compare these rows (e.g. cacheclip@0.2) with every other, sample by sample "
+                        "(default: the cacheclip rows)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("eval", help="QA from a JSON Lines file: every mode on the same examples")

@@ -2,9 +2,10 @@
 
 Each sample's context is chunked and ingested like any corpus (caches built before timing);
 every (mode, ratio) then answers the sample's question on the same chunk ids. The table shows
-the mean score per variant (x100), the average, the percentage of full attention's average, the
-effective recomputed fraction and TTFT relative to full on the same samples; per-sample rows go
-to JSON for win/loss counts.
+the mean score per variant (x100), the average with its 95% bootstrap interval, the percentage of
+full attention's average, the effective recomputed fraction and TTFT relative to full on the same
+samples; per-sample rows go to JSON, from which `load` pools runs. `versus` compares one mode with
+every other on the same samples (paired differences, their interval, wins and losses).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from ..engine import CacheClipEngine
 from .niah import VARIANTS, generate, score
+from .stats import bootstrap_interval, mean_of_means
 
 log = logging.getLogger(__name__)
 
@@ -141,19 +143,22 @@ def _label(mode: str, ratio: float) -> str:
     return mode if mode in ("full", "reuse", "ape") else f"{mode}@{ratio:g}"
 
 
+def _key(r: NeedleResult) -> tuple[int, str, float]:
+    return r.length, r.mode, r.ratio
+
+
 def summarize(results: list[NeedleResult]) -> list[dict]:
-    """One row per (length, mode, ratio): per-variant means, average, % of full, eff%, TTFT/full."""
+    """One row per (length, mode, ratio): per-variant means, average and its 95% interval, % of
+    full, eff%, TTFT/full, wins and losses against reuse on the same samples."""
     rows = []
-    keys = sorted({(r.length, r.mode, r.ratio) for r in results}, key=lambda k: (k[0], k[1] != "full", k[1], k[2]))
+    keys = sorted({_key(r) for r in results}, key=lambda k: (k[0], k[1] != "full", k[1], k[2]))
     for length, mode, ratio in keys:
-        sel = [r for r in results if (r.length, r.mode, r.ratio) == (length, mode, ratio)]
-        per_variant = {}
-        for v in VARIANTS:
-            scores = [r.score for r in sel if r.variant == v]
-            if scores:
-                per_variant[v] = statistics.mean(scores)
+        sel = [r for r in results if _key(r) == (length, mode, ratio)]
+        by_variant = {v: [r.score for r in sel if r.variant == v] for v in VARIANTS}
+        by_variant = {v: scores for v, scores in by_variant.items() if scores}
         row = dict(length=length, mode=mode, ratio=ratio, label=_label(mode, ratio), samples=len(sel),
-                   variants=per_variant, avg=statistics.mean(per_variant.values()),
+                   variants={v: statistics.mean(scores) for v, scores in by_variant.items()},
+                   avg=mean_of_means(by_variant), avg_ci95=bootstrap_interval(by_variant),
                    effective_fraction=statistics.mean(r.effective_fraction for r in sel),
                    ttft=statistics.median(r.ttft for r in sel),
                    ttft_vs_full=statistics.median(r.ttft_vs_full for r in sel),
@@ -167,7 +172,9 @@ def summarize(results: list[NeedleResult]) -> list[dict]:
     for row in rows:
         full = next((r for r in rows if r["length"] == row["length"] and r["mode"] == "full"), None)
         row["pct_of_full"] = 100 * row["avg"] / full["avg"] if full and full["avg"] else float("nan")
-        row["wins_losses_vs_reuse"] = _wins_losses(results, row, "reuse")
+        reuse = next((r for r in rows if r["length"] == row["length"] and r["mode"] == "reuse"), None)
+        diffs = _paired(results, row, reuse) if reuse else {}
+        row["wins_losses_vs_reuse"] = _wins_losses(diffs)
     return rows
 
 
@@ -176,29 +183,95 @@ def _nanmean(values: list[float]) -> float:
     return statistics.mean(values) if values else float("nan")
 
 
-def _wins_losses(results: list[NeedleResult], row: dict, other: str) -> tuple[int, int]:
-    mine = {(r.variant, r.seed): r.score for r in results
-            if (r.length, r.mode, r.ratio) == (row["length"], row["mode"], row["ratio"])}
-    theirs = {(r.variant, r.seed): r.score for r in results if r.length == row["length"] and r.mode == other}
-    wins = sum(1 for k, s in mine.items() if k in theirs and s > theirs[k])
-    losses = sum(1 for k, s in mine.items() if k in theirs and s < theirs[k])
-    return wins, losses
+def _paired(results: list[NeedleResult], row: dict, other: dict) -> dict[str, list[float]]:
+    """variant -> score differences (row's mode minus other's) on the samples both ran."""
+    mine = {(r.variant, r.seed): r.score for r in results if _key(r) == (row["length"], row["mode"], row["ratio"])}
+    theirs = {(r.variant, r.seed): r.score for r in results if _key(r) == (other["length"], other["mode"], other["ratio"])}
+    diffs: dict[str, list[float]] = {}
+    for (variant, seed), s in sorted(mine.items()):
+        if (variant, seed) in theirs:
+            diffs.setdefault(variant, []).append(s - theirs[(variant, seed)])
+    return diffs
+
+
+def _wins_losses(diffs: dict[str, list[float]]) -> tuple[int, int]:
+    flat = [d for ds in diffs.values() for d in ds]
+    return sum(d > 0 for d in flat), sum(d < 0 for d in flat)
+
+
+def versus(results: list[NeedleResult], rows: list[dict], label: str) -> list[dict]:
+    """`label`'s row (e.g. "cacheclip@0.2") against every other row of its length, sample by sample:
+    mean paired difference of the average (x100 in the table), its 95% bootstrap interval, wins
+    and losses. Raises ValueError when no row has that label."""
+    mine = [r for r in rows if r["label"] == label]
+    if not mine:
+        raise ValueError(f"no bench row is labelled {label!r}; rows: {sorted({r['label'] for r in rows})}")
+    out = []
+    for row in mine:
+        for other in rows:
+            if other["length"] != row["length"] or other is row:
+                continue
+            diffs = _paired(results, row, other)
+            if not diffs:
+                continue
+            out.append(dict(length=row["length"], label=label, other=other["label"], samples=sum(map(len, diffs.values())),
+                            diff=mean_of_means(diffs), diff_ci95=bootstrap_interval(diffs), wins_losses=_wins_losses(diffs)))
+    return out
+
+
+def versus_table(pairs: list[dict]) -> str:
+    head = f"{'len':>5} {'mode':<16} {'minus':<20} {'n':>4} {'diff':>6} {'95% CI':>14} {'W/L':>7}"
+    lines = [head, "-" * len(head)]
+    for p in pairs:
+        lo, hi = p["diff_ci95"]
+        w, lo_count = p["wins_losses"]
+        lines.append(f"{p['length']:>5} {p['label']:<16} {p['other']:<20} {p['samples']:>4} {100 * p['diff']:>+6.1f} "
+                     f"{f'[{100 * lo:+.1f}, {100 * hi:+.1f}]':>14} {f'{w}/{lo_count}':>7}")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
     variants = [v for v in VARIANTS if any(v in r["variants"] for r in rows)]
     short = {v: v.replace("multikey", "mk").replace("single", "s").replace("multivalue", "mv").replace("multiquery", "mq") for v in variants}
     head = f"{'len':>5} {'mode':<16} " + " ".join(f"{short[v]:>5}" for v in variants) + \
-        f" {'avg':>6} {'%full':>6} {'eff%':>5} {'needle%':>7} {'∩oracle':>7} {'TTFT/full':>9} {'W/L vs reuse':>12}"
+        f" {'avg':>6} {'95% CI':>11} {'%full':>6} {'eff%':>5} {'needle%':>7} {'∩oracle':>7} {'TTFT/full':>9} {'W/L vs reuse':>12}"
     lines = [head, "-" * len(head)]
     for r in rows:
         cells = " ".join(f"{100 * r['variants'].get(v, float('nan')):>5.0f}" for v in variants)
         w, lo = r["wins_losses_vs_reuse"]
-        lines.append(f"{r['length']:>5} {r['label']:<16} {cells} {100 * r['avg']:>6.1f} {r['pct_of_full']:>6.1f} "
+        ci = "[{:.0f}, {:.0f}]".format(*(100 * x for x in r["avg_ci95"]))
+        lines.append(f"{r['length']:>5} {r['label']:<16} {cells} {100 * r['avg']:>6.1f} {ci:>11} {r['pct_of_full']:>6.1f} "
                      f"{100 * r['effective_fraction']:>5.1f} {100 * r['needle_coverage']:>7.1f} {r['oracle_overlap']:>7.2f} "
                      f"{r['ttft_vs_full']:>9.3f} {f'{w}/{lo}':>12}")
     return "\n".join(lines)
 
 
-def write_json(results: list[NeedleResult], rows: list[dict], path: str | Path) -> None:
-    Path(path).write_text(json.dumps({"summary": rows, "samples": [asdict(r) for r in results]}, indent=2))
+def write_json(results: list[NeedleResult], rows: list[dict], path: str | Path, pairs: list[dict] = ()) -> None:
+    doc = {"summary": rows, "versus": list(pairs), "samples": [asdict(r) for r in results]}
+    Path(path).write_text(json.dumps(doc, indent=2))
+
+
+def load(paths: list[str | Path]) -> list[NeedleResult]:
+    """Pool the per-sample rows of saved runs (`write_json` files), e.g. runs on disjoint seeds, or
+    runs of other modes on the same samples. A (length, variant, seed, mode, ratio) seen twice is
+    kept once when both gave the same answer (full attention, run by every bench) and is an error
+    when they differ, as pooling would then count one sample twice with two results."""
+    results: list[NeedleResult] = []
+    seen: dict[tuple, tuple[str, NeedleResult]] = {}
+    for path in paths:
+        try:
+            samples = json.loads(Path(path).read_text())["samples"]
+            loaded = [NeedleResult(**d) for d in samples]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{path}: not a needle bench JSON (expected 'samples' of needle results): {err}") from err
+        for r in loaded:
+            key = (r.length, r.variant, r.seed, r.mode, r.ratio)
+            if key in seen:
+                first_path, first = seen[key]
+                if (first.answer, first.score) != (r.answer, r.score):
+                    raise ValueError(f"{path}: sample {key} is also in {first_path} with another answer "
+                                     f"({r.answer!r} vs {first.answer!r}); pool runs with disjoint seeds")
+                continue
+            seen[key] = (str(path), r)
+            results.append(r)
+    return results
