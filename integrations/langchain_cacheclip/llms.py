@@ -17,7 +17,7 @@ from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.runnables.config import run_in_executor
 from pydantic import ConfigDict, Field
 
-from cacheclip_rag.engine import request_options
+from cacheclip_rag.request import request_options
 
 
 class CacheClipLLM(BaseLLM):

@@ -3,6 +3,7 @@
 from .config import ChunkConfig, EngineConfig, ModelConfig, PromptConfig, SelectConfig, StoreConfig
 from .engine import Answer, AnswerStream, CacheClipEngine
 from .models import DEFAULT_AUX, DEFAULT_PRIMARY
+from .request import RequestOptions
 
 __all__ = [
     "Answer",
@@ -14,6 +15,7 @@ __all__ = [
     "EngineConfig",
     "ModelConfig",
     "PromptConfig",
+    "RequestOptions",
     "SelectConfig",
     "StoreConfig",
 ]

@@ -1,7 +1,7 @@
 """The engine: ingest a corpus once, answer questions from reused chunk caches.
 
 The engine holds only long-lived things (models, store, index, the shared prefixes). Everything
-about one request lives in a `_Request` created per call, so concurrent requests never share
+about one request lives in a `request.Request` created per call, so concurrent requests never share
 mutable state.
 """
 
@@ -16,7 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,13 +25,14 @@ from tqdm.auto import tqdm
 from . import models as model_lib
 from .assemble import Layout, ape_positions, build_layout, write_prefix
 from .chunking import Chunk, chunk_id, split_document
-from .config import EngineConfig, SelectConfig, check_budget, check_mode, check_ratio
+from .config import EngineConfig, SelectConfig
 from .encode import Template, chat_template, encode_prefix, encode_segment, tokenize
-from .generate import DecodeOptions, Step, decode, hf_step
+from .generate import Step, decode, hf_step
 from .index import ChunkIndex
 from .models import LoadedModel
 from .recognize import ChunkMatcher
 from .pipeline import LayerFeeder
+from .request import Request, RequestOptions, prompt_pieces, question_pieces
 from .recompute import ApeSpec, AssembledCache, BlendSpec, recompute_rows
 from .select import attention_from_rows, map_tokens, pick, scoring_layers, select
 from .store import ChunkKV, KVStore
@@ -39,11 +40,6 @@ from .store import ChunkKV, KVStore
 log = logging.getLogger(__name__)
 
 _PREFIX_KEY = "__shared_prefix__"
-REQUEST_OPTIONS = (
-    "recompute_ratio", "mode", "chunk_ids", "k", "max_new_tokens", "temperature", "epic_tokens", "seed", "budget",
-    "score_layers",
-)
-"""Per-request options every entry point (and every framework adapter) accepts."""
 _MAX_AUX_QUERY_TOKENS = 256
 
 
@@ -93,21 +89,13 @@ class Answer:
         }
 
 
-def request_options(defaults: dict, overrides: dict) -> dict:
-    """Merge per-call overrides into an adapter's defaults; unknown options are a ValueError."""
-    unknown = set(overrides) - set(REQUEST_OPTIONS)
-    if unknown:
-        raise ValueError(f"unknown options {sorted(unknown)}; expected some of {list(REQUEST_OPTIONS)}")
-    return {**defaults, **overrides}
-
-
 class AnswerStream:
     """Iterates over the text pieces of one request; `.answer` holds the `Answer` once done.
 
     Bad input is refused when the stream is created, not on the first iteration.
     """
 
-    def __init__(self, engine: CacheClipEngine, request: _Request):
+    def __init__(self, engine: CacheClipEngine, request: Request):
         self._engine, self._request = engine, request
         self._pieces: list[str] = []
         self._iter = engine._run(request)
@@ -140,31 +128,6 @@ class _Model:
     template: Template
     prefix_ids: torch.Tensor
     namespace: str
-
-
-@dataclass
-class _Request:
-    """Per-request state, created by each call."""
-
-    mode: str
-    ratio: float
-    chunk_ids: list[str]
-    pieces: list[tuple[str, str | None]]
-    aux_query: str
-    options: DecodeOptions
-    epic_tokens: int | None = None
-    seed: int = 0
-    budget: str = "keep"
-    select: SelectConfig | None = None
-    """The selection config this request runs with, resolved once when it is built
-    (`CacheClipEngine.select_config`): every scoring field set."""
-    trace: list[dict] = field(default_factory=list)
-    """CacheClip's per-chunk selection (aux scores, kept tokens, recomputed primary tokens)."""
-    timings: dict[str, float] = field(default_factory=dict)
-    layout: Layout | None = None
-    rows: torch.Tensor | None = None
-    text: str = ""
-    generated: int = 0
 
 
 def _namespace(lm: LoadedModel, prefix_ids: torch.Tensor) -> str:
@@ -326,13 +289,10 @@ class CacheClipEngine:
     def answer(self, question: str, chunk_ids: list[str] | None = None, **kwargs) -> Answer:
         """Answer a question from the given chunks (their order kept) or the top-k retrieved.
 
-        kwargs: k; mode (see cacheclip_rag.config.MODES); recompute_ratio in [0, 1]; max_new_tokens;
-        temperature (0 = greedy); stop strings; epic_tokens (epic mode: tokens per chunk, default
-        ceil(ratio x chunk length)); seed (sampling and the random mode); budget ("keep", the
-        default: candidates are added in score order until the grouped set reaches the ratio;
-        "paper": the top ratio x tokens are candidates and grouping keeps what it keeps);
-        score_layers (aux layers that score tokens; default: the config's, else the calibrated
-        profile's, else the last).
+        kwargs: k (chunks to retrieve when chunk_ids is None), and the per-request options of
+        `cacheclip_rag.request.RequestOptions`: mode, recompute_ratio, max_new_tokens, temperature,
+        stop, epic_tokens, seed, budget ("keep", the default, or "paper"), score_layers. An unknown
+        or invalid option is a ValueError.
         """
         return self._finish(*self._collect(self._question_request(question, chunk_ids, **kwargs)))
 
@@ -360,7 +320,7 @@ class CacheClipEngine:
         """Like `generate`, yielding text pieces as they are decoded; `.answer` is set at the end."""
         return AnswerStream(self, self._generate_request(prompt, chunk_ids, retrieve, k, kwargs))
 
-    def _generate_request(self, prompt, chunk_ids, retrieve, k, kwargs) -> _Request:
+    def _generate_request(self, prompt, chunk_ids, retrieve, k, kwargs) -> Request:
         if chunk_ids is not None and not self.matcher.find(prompt, set(self._check_ids(chunk_ids))):
             # Ids handed over without their texts in the prompt: the prompt is the question.
             return self._question_request(prompt, chunk_ids, **kwargs)
@@ -371,105 +331,43 @@ class CacheClipEngine:
             log.warning("no stored chunk text found in the prompt: nothing is reused (%d prompt chars)", len(prompt))
         return request
 
-    def _collect(self, request: _Request) -> tuple[_Request, str]:
+    def _collect(self, request: Request) -> tuple[Request, str]:
         return request, "".join(self._run(request))
 
-    # ----- request building -----------------------------------------------------------------
+    # ----- request building (validation and pieces: request.py) --------------------------------
 
-    def _request(self, mode, recompute_ratio, max_new_tokens, temperature, stop, epic_tokens, seed, budget,
-                 score_layers) -> dict:
-        """Validate the per-request options shared by every entry point."""
-        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        opts = DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, stop=stop, seed=seed)
-        if epic_tokens is not None and (not isinstance(epic_tokens, int) or isinstance(epic_tokens, bool) or epic_tokens < 0):
-            raise ValueError(f"epic_tokens must be a non-negative integer or None, got {epic_tokens!r}")
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
-        return dict(mode=check_mode(mode), ratio=check_ratio(recompute_ratio), options=opts, epic_tokens=epic_tokens,
-                    seed=seed, budget=check_budget(budget), select=self.select_config(self._check_layers(score_layers)))
-
-    def _check_layers(self, layers) -> tuple[int, ...] | None:
-        if layers is None:
-            return None
-        if isinstance(layers, int) and not isinstance(layers, bool):
-            layers = (layers,)
-        if not isinstance(layers, (list, tuple)) or not layers or any(not isinstance(x, int) or isinstance(x, bool) for x in layers):
-            raise ValueError(f"score_layers must be a non-empty list of aux layer indices, got {layers!r}")
-        scoring_layers(self.aux.lm, layers)  # range check against the aux model
-        return tuple(layers)
-
-    def _question_request(
-        self,
-        question: str,
-        chunk_ids: list[str] | None = None,
-        *,
-        k: int | None = None,
-        mode: str = "cacheclip",
-        recompute_ratio: float = 0.2,
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        stop: str | list[str] | None = None,
-        epic_tokens: int | None = None,
-        seed: int = 0,
-        budget: str = "keep",
-        score_layers: tuple[int, ...] | None = None,
-    ) -> _Request:
+    def _question_request(self, question: str, chunk_ids: list[str] | None = None, *, k: int | None = None,
+                          **options) -> Request:
+        """A question over the given chunks, or the top-k retrieved; options: `RequestOptions`."""
         if not isinstance(question, str) or not question.strip():
             raise ValueError(f"question must be a non-empty string, got {question!r}")
-        common = self._request(mode, recompute_ratio, max_new_tokens, temperature, stop, epic_tokens, seed, budget,
-                               score_layers)
+        opts = RequestOptions.parse(**options)
         if chunk_ids is None:
             chunk_ids = [cid for cid, _ in self.retrieve(question, k)]
         chunk_ids = self._check_ids(chunk_ids)
-        texts = [self._chunk_text(cid) for cid in chunk_ids]
-        pieces: list[tuple[str, str | None]] = []
-        for i, (cid, text) in enumerate(zip(chunk_ids, texts)):
-            if i:
-                pieces.append((self.config.prompt.separator, None))
-            pieces.append((text, cid))
-        query = self.config.prompt.question_template.format(question=question)
-        pieces.append((query, None))
-        return _Request(chunk_ids=chunk_ids, pieces=pieces, aux_query=query, **common)
+        pieces, aux_query = question_pieces(question, [(cid, self._chunk_text(cid)) for cid in chunk_ids],
+                                            self.config.prompt)
+        return self._new_request(opts, chunk_ids, pieces, aux_query)
 
-    def _prompt_request(
-        self,
-        prompt: str,
-        chunk_ids: list[str] | None = None,
-        *,
-        mode: str = "cacheclip",
-        recompute_ratio: float = 0.2,
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        stop: str | list[str] | None = None,
-        epic_tokens: int | None = None,
-        seed: int = 0,
-        budget: str = "keep",
-        score_layers: tuple[int, ...] | None = None,
-    ) -> _Request:
+    def _prompt_request(self, prompt: str, chunk_ids: list[str] | None = None, **options) -> Request:
+        """A finished prompt; the stored chunks found in it (only `chunk_ids`, each required, when given)
+        are reused. options: `RequestOptions`."""
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
-        common = self._request(mode, recompute_ratio, max_new_tokens, temperature, stop, epic_tokens, seed, budget,
-                               score_layers)
+        opts = RequestOptions.parse(**options)
         only = set(self._check_ids(chunk_ids)) if chunk_ids is not None else None
         found = self.matcher.find(prompt, only)
         if chunk_ids is not None:
             missing = [cid for cid in chunk_ids if cid not in {c for _, _, c in found}]
             if missing:
                 raise ValueError(f"chunk ids {missing} were given but their texts are not in the prompt")
-        pieces: list[tuple[str, str | None]] = []
-        pos = 0
-        for start, end, cid in found:
-            if start > pos:
-                pieces.append((prompt[pos:start], None))
-            pieces.append((prompt[start:end], cid))
-            pos = end
-        tail = prompt[pos:]
-        if not tail.strip():
-            tail = tail or "\n"
-        pieces.append((tail, None))
-        uncached = "".join(text for text, cid in pieces if cid is None)
-        aux_query = tail if tail.strip() else uncached
-        return _Request(chunk_ids=[cid for _, _, cid in found], pieces=pieces, aux_query=aux_query, **common)
+        pieces, aux_query = prompt_pieces(prompt, found)
+        return self._new_request(opts, [cid for _, _, cid in found], pieces, aux_query)
+
+    def _new_request(self, opts: RequestOptions, chunk_ids: list[str], pieces, aux_query: str) -> Request:
+        if opts.score_layers is not None:
+            scoring_layers(self.aux.lm, opts.score_layers)  # range check against the aux model
+        return Request.of(opts, self.select_config(opts.score_layers), chunk_ids, pieces, aux_query)
 
     def _check_ids(self, chunk_ids) -> list[str]:
         if isinstance(chunk_ids, str) or not isinstance(chunk_ids, (list, tuple)):
@@ -489,7 +387,7 @@ class CacheClipEngine:
 
     # ----- running --------------------------------------------------------------------------
 
-    def _layout(self, frame: _Model, request: _Request) -> Layout:
+    def _layout(self, frame: _Model, request: Request) -> Layout:
         tok = lambda text, special: tokenize(frame.lm, text, special)  # noqa: E731
         layout = build_layout(frame.prefix_ids, request.pieces, tok, suffix=frame.template.suffix)
         limit = frame.lm.max_positions
@@ -502,7 +400,7 @@ class CacheClipEngine:
             )
         return layout
 
-    def _run(self, request: _Request) -> Iterator[str]:
+    def _run(self, request: Request) -> Iterator[str]:
         """Build the cache for the request's mode, then stream the decoded text."""
         t0 = time.perf_counter()
         timings = request.timings
@@ -532,7 +430,7 @@ class CacheClipEngine:
         timings["decode"] = time.perf_counter() - t
         timings["total"] = time.perf_counter() - t0
 
-    def _reuse(self, frame: _Model, layout: Layout, request: _Request):
+    def _reuse(self, frame: _Model, layout: Layout, request: Request):
         """Assemble the chunk caches, recompute the rows the mode picks; return (logits, decode step).
 
         In cacheclip mode the aux selection runs on a worker thread while the primary caches are
@@ -599,7 +497,7 @@ class CacheClipEngine:
         self.store.put_kv(frame.namespace, chunk_id, kv)
         return kv
 
-    def _mode_plan(self, layout: Layout, sources: dict, picks, request: _Request):
+    def _mode_plan(self, layout: Layout, sources: dict, picks, request: Request):
         """What the mode recomputes besides the plain-text rows: (selected rows, blend spec, APE spec)."""
         selected = torch.empty(0, dtype=torch.long)
         chunk_rows = layout.chunk_rows()
@@ -664,7 +562,7 @@ class CacheClipEngine:
         """The calibrated model-pair profile stored with the store, if it is for these models."""
         return self.store.read_profile(self.primary.lm.fingerprint, self.aux.lm.fingerprint)
 
-    def _oracle_rows(self, lm: LoadedModel, layout: Layout, request: _Request) -> torch.Tensor:
+    def _oracle_rows(self, lm: LoadedModel, layout: Layout, request: Request) -> torch.Tensor:
         """Analysis only: select by the primary's own last-layer attention from a full prefill."""
         segments = layout.chunk_segments()
         query_rows = torch.arange(segments[-1].end, layout.num_tokens)
@@ -673,7 +571,7 @@ class CacheClipEngine:
         picks = pick(scores, request.ratio, request.select, request.budget)
         return torch.cat([seg.start + torch.nonzero(p.kept).flatten() for seg, p in zip(segments, picks)])
 
-    def _aux_select(self, layout: Layout, request: _Request):
+    def _aux_select(self, layout: Layout, request: Request):
         """CacheClip on the aux model (thread-safe): per chunk (aux cache, selection); seconds taken."""
         start = time.perf_counter()
         segments = layout.chunk_segments()
@@ -684,12 +582,12 @@ class CacheClipEngine:
                        budget=request.budget)
         return list(zip(segments, aux_kvs, picks)), time.perf_counter() - start
 
-    def _aux_query_ids(self, request: _Request) -> torch.Tensor:
+    def _aux_query_ids(self, request: Request) -> torch.Tensor:
         """[Q] aux tokens of the query rows: the question, then the assistant turn's opening."""
         ids = torch.cat([tokenize(self.aux.lm, request.aux_query)[0], tokenize(self.aux.lm, self.aux.template.suffix, True)[0]])
         return ids[-_MAX_AUX_QUERY_TOKENS:]
 
-    def _map_selection(self, layout: Layout, picks, sources: dict, request: _Request) -> torch.Tensor:
+    def _map_selection(self, layout: Layout, picks, sources: dict, request: Request) -> torch.Tensor:
         """Kept aux tokens -> primary positions [S] through character offsets."""
         rows = []
         for seg, aux_kv, pick in picks:
@@ -712,7 +610,7 @@ class CacheClipEngine:
                 f"{self.aux.lm.name!r}, which has {self.aux.lm.max_positions}; use a smaller chunk size"
             )
 
-    def _finish(self, request: _Request, text: str) -> Answer:
+    def _finish(self, request: Request, text: str) -> Answer:
         layout = request.layout
         assert layout is not None and request.rows is not None
         chunk_rows = layout.chunk_rows()

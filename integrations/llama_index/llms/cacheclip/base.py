@@ -20,7 +20,7 @@ from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import BaseNode, MetadataMode, TextNode
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from cacheclip_rag.engine import request_options
+from cacheclip_rag.request import request_options
 
 
 class CacheClipLLM(CustomLLM):

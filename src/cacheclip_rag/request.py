@@ -1,0 +1,160 @@
+"""One request, built and validated before anything runs: its options and its prompt pieces.
+
+Every entry point (`answer`, `generate`, their streaming forms, the framework adapters) accepts
+the same per-request options; `RequestOptions.parse` is the one place they are checked. A
+request's prompt is a list of pieces, (text, chunk id) for a stored chunk and (text, None) for
+text computed fresh (separators, the question, a framework's template); `question_pieces` and
+`prompt_pieces` build it for the two ways a prompt arrives. The engine adds what needs its state
+(retrieval, the store, the aux model's layer count) and runs the resulting `Request`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+from .assemble import Layout
+from .config import PromptConfig, SelectConfig, check_budget, check_mode, check_ratio
+from .generate import DecodeOptions
+
+Piece = tuple[str, "str | None"]
+"""(text, chunk id) for a stored chunk's text, (text, None) for text computed for this request."""
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """The per-request options every entry point accepts, validated.
+
+    mode: see `cacheclip_rag.config.MODES`. recompute_ratio in [0, 1]. temperature 0 = greedy.
+    stop: strings that end the text. epic_tokens: epic mode's tokens per chunk (default
+    ceil(ratio x chunk length)). seed: sampling and the random mode. budget: "keep" (candidates
+    are added in score order until the grouped set reaches the ratio) or "paper" (the top ratio x
+    tokens are candidates; grouping keeps what it keeps). score_layers: aux layers that score
+    tokens (default: the config's, else the calibrated profile's, else the last).
+    """
+
+    mode: str = "cacheclip"
+    recompute_ratio: float = 0.2
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    stop: tuple[str, ...] = ()
+    epic_tokens: int | None = None
+    seed: int = 0
+    budget: str = "keep"
+    score_layers: tuple[int, ...] | None = None
+
+    @classmethod
+    def parse(cls, **options) -> RequestOptions:
+        """Check and normalize options given by name; an unknown name is a ValueError."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown request options {unknown}; expected some of {sorted(known)}")
+        stop = options.get("stop")
+        options["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        opts = cls(**options)
+        opts.decode_options()  # checks max_new_tokens, temperature, stop
+        epic = opts.epic_tokens
+        if epic is not None and (not isinstance(epic, int) or isinstance(epic, bool) or epic < 0):
+            raise ValueError(f"epic_tokens must be a non-negative integer or None, got {epic!r}")
+        if not isinstance(opts.seed, int) or isinstance(opts.seed, bool):
+            raise ValueError(f"seed must be an integer, got {opts.seed!r}")
+        return replace(opts, mode=check_mode(opts.mode), recompute_ratio=check_ratio(opts.recompute_ratio),
+                       budget=check_budget(opts.budget), score_layers=_layer_list(opts.score_layers))
+
+    def decode_options(self) -> DecodeOptions:
+        return DecodeOptions(max_new_tokens=self.max_new_tokens, temperature=self.temperature, stop=self.stop,
+                             seed=self.seed)
+
+
+def _layer_list(layers) -> tuple[int, ...] | None:
+    """score_layers as a tuple of ints (the range is checked against the aux model by the engine)."""
+    if layers is None:
+        return None
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        layers = (layers,)
+    if not isinstance(layers, (list, tuple)) or not layers or any(not isinstance(x, int) or isinstance(x, bool) for x in layers):
+        raise ValueError(f"score_layers must be a non-empty list of aux layer indices, got {layers!r}")
+    return tuple(layers)
+
+
+REQUEST_OPTIONS = ("chunk_ids", "k", *(f.name for f in fields(RequestOptions)))
+"""Per-request options every entry point (and every framework adapter) accepts."""
+
+
+def request_options(defaults: dict, overrides: dict) -> dict:
+    """Merge per-call overrides into an adapter's defaults; unknown options are a ValueError."""
+    unknown = set(overrides) - set(REQUEST_OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown options {sorted(unknown)}; expected some of {list(REQUEST_OPTIONS)}")
+    return {**defaults, **overrides}
+
+
+def question_pieces(question: str, chunks: list[tuple[str, str]], prompt: PromptConfig) -> tuple[list[Piece], str]:
+    """A question asked over chunks [(id, text)], in the engine's own prompt frame.
+
+    Returns the pieces (chunks in the given order, the separator between them, then the question
+    template) and the aux query (the filled question template).
+    """
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError(f"question must be a non-empty string, got {question!r}")
+    pieces: list[Piece] = []
+    for i, (cid, text) in enumerate(chunks):
+        if i:
+            pieces.append((prompt.separator, None))
+        pieces.append((text, cid))
+    query = prompt.question_template.format(question=question)
+    pieces.append((query, None))
+    return pieces, query
+
+
+def prompt_pieces(prompt: str, found: list[tuple[int, int, str]]) -> tuple[list[Piece], str]:
+    """A finished prompt in which stored chunk texts were found at [(start, end, chunk id)] (sorted,
+    disjoint). Returns the pieces and the aux query: the text after the last chunk when it has
+    any, else all the text outside chunks."""
+    pieces: list[Piece] = []
+    pos = 0
+    for start, end, cid in found:
+        if start > pos:
+            pieces.append((prompt[pos:start], None))
+        pieces.append((prompt[start:end], cid))
+        pos = end
+    tail = prompt[pos:]
+    if not tail.strip():
+        tail = tail or "\n"
+    pieces.append((tail, None))
+    uncached = "".join(text for text, cid in pieces if cid is None)
+    return pieces, tail if tail.strip() else uncached
+
+
+@dataclass
+class Request:
+    """Per-request state, created by each call, so concurrent requests share nothing mutable."""
+
+    mode: str
+    ratio: float
+    chunk_ids: list[str]
+    pieces: list[Piece]
+    aux_query: str
+    options: DecodeOptions
+    epic_tokens: int | None = None
+    seed: int = 0
+    budget: str = "keep"
+    select: SelectConfig | None = None
+    """The selection config this request runs with, resolved once when it is built
+    (`CacheClipEngine.select_config`): every scoring field set."""
+    trace: list[dict] = field(default_factory=list)
+    """CacheClip's per-chunk selection (aux scores, kept tokens, recomputed primary tokens)."""
+    timings: dict[str, float] = field(default_factory=dict)
+    layout: Layout | None = None
+    rows: torch.Tensor | None = None
+    text: str = ""
+    generated: int = 0
+
+    @classmethod
+    def of(cls, opts: RequestOptions, select: SelectConfig, chunk_ids: list[str], pieces: list[Piece],
+           aux_query: str) -> Request:
+        return cls(mode=opts.mode, ratio=opts.recompute_ratio, chunk_ids=chunk_ids, pieces=pieces,
+                   aux_query=aux_query, options=opts.decode_options(), epic_tokens=opts.epic_tokens, seed=opts.seed,
+                   budget=opts.budget, select=select)
