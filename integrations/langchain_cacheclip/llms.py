@@ -3,7 +3,8 @@
 LangChain hands an LLM only the final prompt string. The engine finds the stored chunk texts in
 it and reuses their caches (any prompt template works); a prompt with no stored chunk is taken as
 a bare question and answered from the engine's own top-k retrieval, so one object can be a whole
-RAG pipeline. Per-call options: `recompute_ratio`, `mode`, `chunk_ids`, `k`, `max_new_tokens`.
+RAG pipeline. Per-call options: any of `cacheclip_rag.request.REQUEST_OPTIONS` (`recompute_ratio`,
+`mode`, `chunk_ids`, `k`, `budget`, `score_layers`, ...).
 """
 
 from __future__ import annotations
@@ -15,13 +16,12 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models.llms import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.runnables.config import run_in_executor
-from pydantic import ConfigDict, Field
-
-from cacheclip_rag.request import request_options
+from cacheclip_rag.adapters import EngineLLMFields
 
 
-class CacheClipLLM(BaseLLM):
-    """A LangChain LLM that answers from reused chunk KV caches (CacheClip).
+class CacheClipLLM(EngineLLMFields, BaseLLM):
+    """A LangChain LLM that answers from reused chunk KV caches (CacheClip). Fields and
+    `from_pretrained`: `cacheclip_rag.adapters.EngineLLMFields`.
 
     Example:
         llm = CacheClipLLM.from_pretrained(store_dir="store")
@@ -29,33 +29,6 @@ class CacheClipLLM(BaseLLM):
         llm.invoke("What is ...?")                           # bare question: engine retrieval
         llm.invoke(prompt, recompute_ratio=0.1, chunk_ids=[...])
     """
-
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-
-    engine: Any = Field(exclude=True)
-    """A `cacheclip_rag.CacheClipEngine`."""
-    mode: str = "cacheclip"
-    recompute_ratio: float = 0.2
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    k: int | None = None
-    """Chunks to retrieve for a bare question (engine default when None)."""
-    retrieve: bool = True
-    """Answer a prompt with no stored chunk text from the engine's own retrieval."""
-
-    @classmethod
-    def from_pretrained(
-        cls, primary: str | None = None, aux: str | None = None, store_dir: str = "cacheclip-store", config=None, **kwargs: Any
-    ) -> CacheClipLLM:
-        """Load the engine (embedded default models unless named) and wrap it."""
-        try:
-            from cacheclip_rag import DEFAULT_AUX, DEFAULT_PRIMARY, CacheClipEngine
-        except ImportError as err:  # pragma: no cover
-            raise ImportError("CacheClipLLM needs cacheclip-rag: pip install cacheclip-rag") from err
-        engine = CacheClipEngine.from_pretrained(
-            primary=primary or DEFAULT_PRIMARY, aux=aux or DEFAULT_AUX, store_dir=store_dir, config=config
-        )
-        return cls(engine=engine, **kwargs)
 
     @property
     def _llm_type(self) -> str:
@@ -72,10 +45,7 @@ class CacheClipLLM(BaseLLM):
         }
 
     def _start(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]):
-        defaults = {"mode": self.mode, "recompute_ratio": self.recompute_ratio, "max_new_tokens": self.max_new_tokens,
-                    "temperature": self.temperature, "k": self.k}
-        opts = request_options(defaults, kwargs)
-        return self.engine.stream_generate(prompt, opts.pop("chunk_ids", None), retrieve=self.retrieve, stop=stop, **opts)
+        return self.start(prompt, kwargs, stop=stop)
 
     def _generate(
         self,

@@ -18,37 +18,18 @@ from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import BaseNode, MetadataMode, TextNode
-from pydantic import ConfigDict, Field, PrivateAttr
+from pydantic import ConfigDict, PrivateAttr
 
-from cacheclip_rag.request import request_options
+from cacheclip_rag.adapters import EngineLLMFields
 
 
-class CacheClipLLM(CustomLLM):
+class CacheClipLLM(EngineLLMFields, CustomLLM):
     """A LlamaIndex LLM answering from reused chunk KV caches (CacheClip).
 
     Chunk texts found in the prompt are reused (LlamaIndex's metadata header before a node's
     text is simply recomputed); a prompt with no stored chunk is answered from the engine's own
     retrieval. Chat goes through the completion path.
     """
-
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-
-    engine: Any = Field(exclude=True, description="a cacheclip_rag.CacheClipEngine")
-    mode: str = "cacheclip"
-    recompute_ratio: float = 0.2
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    k: int | None = None
-    retrieve: bool = True
-
-    @classmethod
-    def from_pretrained(cls, primary: str | None = None, aux: str | None = None, store_dir: str = "cacheclip-store", config=None, **kwargs):
-        from cacheclip_rag import DEFAULT_AUX, DEFAULT_PRIMARY, CacheClipEngine
-
-        engine = CacheClipEngine.from_pretrained(
-            primary=primary or DEFAULT_PRIMARY, aux=aux or DEFAULT_AUX, store_dir=store_dir, config=config
-        )
-        return cls(engine=engine, **kwargs)
 
     @classmethod
     def class_name(cls) -> str:
@@ -64,11 +45,7 @@ class CacheClipLLM(CustomLLM):
         )
 
     def _start(self, prompt: str, kwargs: dict[str, Any]):
-        kwargs = {key: v for key, v in kwargs.items() if key != "formatted"}
-        defaults = {"mode": self.mode, "recompute_ratio": self.recompute_ratio, "max_new_tokens": self.max_new_tokens,
-                    "temperature": self.temperature, "k": self.k}
-        opts = request_options(defaults, kwargs)
-        return self.engine.stream_generate(prompt, opts.pop("chunk_ids", None), retrieve=self.retrieve, **opts)
+        return self.start(prompt, {key: v for key, v in kwargs.items() if key != "formatted"})
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:

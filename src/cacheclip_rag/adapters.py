@@ -1,0 +1,47 @@
+"""What the LangChain and LlamaIndex LLMs share: their fields, loading, and how a call starts.
+
+Only the adapters under `integrations/` import this module (it needs pydantic, which both
+frameworks bring); each adds its framework's methods on top and stays a thin translation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .engine import AnswerStream
+from .request import request_options
+
+
+class EngineLLMFields(BaseModel):
+    """Per-instance defaults of an LLM adapter; every per-call option (`request.REQUEST_OPTIONS`)
+    can override them."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    engine: Any = Field(exclude=True, description="a cacheclip_rag.CacheClipEngine")
+    mode: str = "cacheclip"
+    recompute_ratio: float = 0.2
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    k: int | None = Field(default=None, description="chunks to retrieve for a bare question (engine default when None)")
+    retrieve: bool = Field(default=True, description="answer a prompt holding no stored chunk text from the engine's retrieval")
+
+    @classmethod
+    def from_pretrained(cls, primary: str | None = None, aux: str | None = None, store_dir: str = "cacheclip-store",
+                        config=None, **kwargs: Any):
+        """Load the engine (the embedded default models unless named) and wrap it."""
+        from . import DEFAULT_AUX, DEFAULT_PRIMARY, CacheClipEngine
+
+        engine = CacheClipEngine.from_pretrained(primary=primary or DEFAULT_PRIMARY, aux=aux or DEFAULT_AUX,
+                                                 store_dir=store_dir, config=config)
+        return cls(engine=engine, **kwargs)
+
+    def start(self, prompt: str, overrides: dict[str, Any], **fixed: Any) -> AnswerStream:
+        """Stream the answer to a framework's finished prompt. overrides: per-call options (an unknown
+        one is a ValueError); fixed: what the framework passes itself (LangChain's stop)."""
+        defaults = {"mode": self.mode, "recompute_ratio": self.recompute_ratio, "max_new_tokens": self.max_new_tokens,
+                    "temperature": self.temperature, "k": self.k}
+        opts = request_options(defaults, overrides)
+        return self.engine.stream_generate(prompt, opts.pop("chunk_ids", None), retrieve=self.retrieve, **fixed, **opts)
