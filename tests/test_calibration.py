@@ -131,29 +131,35 @@ def test_score_layers_request_option_is_validated(eng, bad):
 
 
 def test_teacher_forced_fidelity_matches_a_plain_forward_and_reuse(eng):
-    """The calibration signal's oracles: every chunk row recomputed gives the model's own forward
+    """The fidelity signal's oracles: every chunk row recomputed gives the model's own forward
     over prompt + answer; no row recomputed gives direct reuse's own decoding logits."""
     from cacheclip_rag.assemble import assemble
+    from cacheclip_rag.fidelity import Reference, kl_positions, reference, top1_agreement
 
     request = eng._question_request(Q, eng.ids)
     layout = eng._layout(eng.primary, request)
     kvs = {s.chunk_id: eng._chunk_kv(eng.primary, s.chunk_id) for s in layout.chunk_segments()}
     answer = torch.tensor([5, 9, 13, 2])
     cache = assemble(eng.primary.lm, layout, eng._prefix_kv(eng.primary), kvs, capacity=layout.num_tokens + 4)
-    full = calibrate_mod._forced_logprobs(eng, layout, cache, answer, layout.chunk_rows())
+    ref = Reference(layout, cache, answer, torch.empty(0))
+    full = ref.forced(eng, layout.chunk_rows())
     with torch.inference_mode():
         logits = eng.primary.lm.model(input_ids=torch.cat([layout.input_ids, answer[:-1]])[None]).logits[0].float()
     expected = torch.log_softmax(logits[layout.num_tokens - 1 :], dim=-1)
     torch.testing.assert_close(full, expected, atol=1e-4, rtol=1e-4)
-    assert float(calibrate_mod._kl_positions(full, full).mean()) == 0.0
+    assert float(kl_positions(full, full).mean()) == 0.0 and bool(top1_agreement(full, full).all())
     # The base cache is copied, never written: a second call sees the same reused cache.
-    reuse_a = calibrate_mod._forced_logprobs(eng, layout, cache, answer, layout.chunk_rows()[:0])
-    reuse_b = calibrate_mod._forced_logprobs(eng, layout, cache, answer, layout.chunk_rows()[:0])
+    reuse_a = ref.forced(eng, layout.chunk_rows()[:0])
+    reuse_b = ref.forced(eng, layout.chunk_rows()[:0])
     torch.testing.assert_close(reuse_a, reuse_b)
     fresh = assemble(eng.primary.lm, layout, eng._prefix_kv(eng.primary), kvs)
     first = recompute_rows(eng.primary.lm, fresh, layout.input_ids, layout.uncached_rows()).logits
     torch.testing.assert_close(reuse_a[0], torch.log_softmax(first, dim=-1), atol=1e-4, rtol=1e-4)
-    assert float(calibrate_mod._kl_positions(full, reuse_a).mean()) > 0
+    assert float(kl_positions(full, reuse_a).mean()) > 0
+    # reference(): full attention's own answer, with its log-probabilities from the 100% path.
+    built = reference(eng, Q, eng.ids, answer_tokens=3)
+    assert built is not None and 1 <= built.answer.numel() <= 3
+    assert built.full_logprobs.shape == (built.answer.numel(), eng.primary.lm.config.vocab_size)
 
 
 def test_left_at_hard_weighs_only_the_positions_reuse_gets_wrong():

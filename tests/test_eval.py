@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
-from cacheclip_rag.eval import alignment, html, needle, plots, qa, ttft
+from cacheclip_rag.eval import alignment, fidelity, html, needle, plots, qa, ttft
 from cacheclip_rag.eval.metrics import best_of, exact_match, normalize, rouge_l, token_f1
 from cacheclip_rag.eval.niah import VARIANTS, generate, score
 from cacheclip_rag.eval.stats import bootstrap_interval, mean_of_means
@@ -156,6 +156,24 @@ def test_miniature_needle_bench_with_plots(eng, tmp_path):
     plots.ttft_breakdown(rows, tmp_path / "t.png")
     for name in ("q.png", "t.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_miniature_fidelity_bench_and_its_oracles(eng, tmp_path):
+    modes = [("reuse", 0.0), ("random", 0.5), ("cacheclip", 0.5), ("oracle", 0.5), ("cacheclip", 1.0)]
+    results = fidelity.run(eng, modes, variants=["multivalue"], lengths=[150], samples=2, answer_tokens=4)
+    assert len(results) == 2 * len(modes)
+    for r in results:
+        if r.ratio == 1.0:  # every chunk row recomputed: the full prefill itself
+            assert r.kl == pytest.approx(0.0, abs=1e-5) and r.exact and r.effective_fraction == 1.0
+    assert any(r.kl > 0 for r in results if r.mode == "reuse")
+    rows = fidelity.summarize(results)
+    assert rows[0]["label"] == "cacheclip@1" and "top-1 agree" in fidelity.table(rows)
+    lo, hi = rows[-1]["kl_ci95"]
+    assert lo <= rows[-1]["kl"] <= hi
+    fidelity.write_json(results, rows, tmp_path / "f.json")
+    assert len(json.loads((tmp_path / "f.json").read_text())["samples"]) == len(results)
+    with pytest.raises(ValueError, match=r"\['cacheblend'\] have none to replay"):
+        fidelity.run(eng, [("cacheblend", 0.2)], variants=["multivalue"], lengths=[150], samples=1)
 
 
 def test_miniature_qa_and_ttft_runs(eng, tmp_path):

@@ -36,11 +36,9 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
-from .assemble import Layout, assemble
-from .encode import tokenize
 from .eval.alignment import to_chars, top_jaccard, top_positions
 from .eval.niah import generate
-from .recompute import AssembledCache, recompute_rows
+from .fidelity import Reference, kl_positions, reference
 from .select import attention_from_rows, keep_budget, map_tokens, mean_over_layers, normalized, score_chunks_by_layer
 
 if TYPE_CHECKING:
@@ -88,10 +86,7 @@ class _Sample:
     """What one calibration input needs, computed once: the primary's reference signals, the
     aux's per-layer scores per aggregation, and everything to replay a selection."""
 
-    layout: Layout
-    base_cache: AssembledCache
-    answer: torch.Tensor
-    full_logprobs: torch.Tensor
+    ref: Reference
     reuse_kl: torch.Tensor
     """[T] KL(full || reuse) per answer position: where direct reuse goes wrong."""
     aux_offsets: list[torch.Tensor]
@@ -199,20 +194,15 @@ def _prepare(engine: CacheClipEngine, variant: str, length: int, seed: int, answ
     primary, aux = engine.primary, engine.aux
     sample = generate(variant, length, seed, primary.lm.tokenizer)
     ids = engine.ingest([sample.context], progress=False)
-    full = engine.answer(sample.question, chunk_ids=ids, mode="full", max_new_tokens=answer_tokens)
-    answer = tokenize(primary.lm, full.text)[0][:answer_tokens]
-    if answer.numel() == 0:
+    ref = reference(engine, sample.question, ids, answer_tokens)
+    if ref is None:
         return None
-    request = engine._question_request(sample.question, ids)
-    layout = engine._layout(primary, request)
+    layout = ref.layout
     segs = layout.chunk_segments()
-    pri_kvs = {seg.chunk_id: engine._chunk_kv(primary, seg.chunk_id, seg.text) for seg in segs}
-    aux_kvs = [engine._chunk_kv(aux, seg.chunk_id, seg.text) for seg in segs]
-    base_cache = assemble(primary.lm, layout, engine._prefix_kv(primary), pri_kvs,
-                          capacity=layout.num_tokens + answer.numel())
-    full_logprobs = _forced_logprobs(engine, layout, base_cache, answer, layout.chunk_rows())
-    reuse_kl = _kl_positions(full_logprobs, _forced_logprobs(engine, layout, base_cache, answer, layout.chunk_rows()[:0]))
+    reuse_kl = kl_positions(ref.full_logprobs, ref.forced(engine, layout.chunk_rows()[:0]))
 
+    request = engine._question_request(sample.question, ids)
+    aux_kvs = [engine._chunk_kv(aux, seg.chunk_id, seg.text) for seg in segs]
     query_ids = engine._aux_query_ids(request)
     every = tuple(range(aux.lm.num_layers))
     aux_scores = {agg: score_chunks_by_layer(aux.lm, engine._prefix_kv(aux), aux_kvs, query_ids, every, *agg)
@@ -220,28 +210,11 @@ def _prepare(engine: CacheClipEngine, variant: str, length: int, seed: int, answ
 
     query_rows = torch.arange(segs[-1].end, layout.num_tokens)
     attention = attention_from_rows(primary.lm, layout.input_ids, query_rows, [-1])[-1]
-    pri_offsets = [pri_kvs[seg.chunk_id].offsets for seg in segs]
-    reference = torch.cat([to_chars(attention[seg.start : seg.end], off, len(seg.text)) for seg, off in zip(segs, pri_offsets)])
-    return _Sample(layout, base_cache, answer, full_logprobs, reuse_kl, [kv.offsets for kv in aux_kvs], pri_offsets,
-                   [seg.text for seg in segs], aux_scores, reference)
-
-
-def _forced_logprobs(engine: CacheClipEngine, layout: Layout, base_cache: AssembledCache, answer: torch.Tensor,
-                     selected: torch.Tensor) -> torch.Tensor:
-    """Log-probabilities [T, vocab] of each answer token's position, with `selected` chunk rows
-    (and every uncached row, and the answer) recomputed in a copy of the reused cache."""
-    n, t = layout.num_tokens, int(answer.numel())
-    cache = AssembledCache([k.clone() for k in base_cache.keys], [v.clone() for v in base_cache.values])
-    ids = torch.cat([layout.input_ids, answer[:-1]])
-    rows = torch.unique(torch.cat([layout.uncached_rows(), selected, torch.arange(n, n + t - 1)]))
-    result = recompute_rows(engine.primary.lm, cache, ids, rows, backend=engine.config.attention_backend, tail=t)
-    logits = result.tail_logits if t > 1 else result.logits[None]
-    return torch.log_softmax(logits, dim=-1)
-
-
-def _kl_positions(full: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """KL(full || other) [T] per position; both [T, vocab] log-probabilities."""
-    return (full.exp() * (full - other)).sum(-1).clamp(min=0)
+    pri_offsets = [engine._chunk_kv(primary, seg.chunk_id, seg.text).offsets for seg in segs]
+    reference_chars = torch.cat([to_chars(attention[seg.start : seg.end], off, len(seg.text))
+                                 for seg, off in zip(segs, pri_offsets)])
+    return _Sample(ref, reuse_kl, [kv.offsets for kv in aux_kvs], pri_offsets, [seg.text for seg in segs],
+                   aux_scores, reference_chars)
 
 
 def _left_at_hard(kl: torch.Tensor, reuse_kl: torch.Tensor, frac: float = HARD_FRACTION) -> float:
@@ -259,10 +232,10 @@ def _baselines(engine: CacheClipEngine, data: list[_Sample], ratio: float, seed:
     reuse, random = [], []
     random_hard = []
     for d in data:
-        chunk_rows = d.layout.chunk_rows()
+        chunk_rows = d.ref.layout.chunk_rows()
         pick = chunk_rows[torch.randperm(chunk_rows.numel(), generator=gen)[: round(ratio * chunk_rows.numel())]]
         reuse.append(float(d.reuse_kl.mean()))
-        kl = _kl_positions(d.full_logprobs, _forced_logprobs(engine, d.layout, d.base_cache, d.answer, pick))
+        kl = kl_positions(d.ref.full_logprobs, d.ref.forced(engine, pick))
         random.append(float(kl.mean()))
         random_hard.append(_left_at_hard(kl, d.reuse_kl))
     return {"reuse": statistics.mean(reuse), "random": statistics.mean(random),
@@ -276,9 +249,8 @@ def _measure(engine: CacheClipEngine, data: list[_Sample], cand: CandidateScore,
         scores = normalized(mean_over_layers({layer: by_layer[layer] for layer in cand.layers}), cand.normalize)
         kept = keep_budget(scores, ratio, window, tau)
         rows = [seg.start + torch.nonzero(map_tokens(a_off, k, p_off, len(text))).flatten()
-                for seg, a_off, k, p_off, text in zip(d.layout.chunk_segments(), d.aux_offsets, kept, d.pri_offsets, d.texts)]
-        logprobs = _forced_logprobs(engine, d.layout, d.base_cache, d.answer, torch.cat(rows))
-        kl = _kl_positions(d.full_logprobs, logprobs)
+                for seg, a_off, k, p_off, text in zip(d.ref.layout.chunk_segments(), d.aux_offsets, kept, d.pri_offsets, d.texts)]
+        kl = kl_positions(d.ref.full_logprobs, d.ref.forced(engine, torch.cat(rows)))
         kls.append(float(kl.mean()))
         hards.append(_left_at_hard(kl, d.reuse_kl))
         positions.append([round(x, 6) for x in kl.tolist()])

@@ -229,6 +229,8 @@ def cmd_bench(args) -> int:
         return 0
     if args.what == "niah":
         return _bench_niah(args)
+    if args.what == "fidelity":
+        return _bench_fidelity(args)
     from .eval import ttft
 
     engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
@@ -241,6 +243,25 @@ def cmd_bench(args) -> int:
         ttft.plot(rows, args.plot)
     stats = engine.store.stats
     print(f"store memory tier: {stats.memory_hits} hits, {stats.disk_hits} disk reads, {stats.misses} misses")
+    return 0
+
+
+def _bench_fidelity(args) -> int:
+    """Teacher-force full attention's answer through each mode's recomputed rows; print the table."""
+    from .eval import fidelity
+
+    engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
+    modes = _mode_list(args.modes or ["reuse", "random", "epic", "cacheclip-paper", "cacheclip", "oracle"], args.ratios)
+    modes = [(m, r) for m, r in modes if m != "full"]  # full is the reference itself
+    results = fidelity.run(engine, modes, variants=args.variants, lengths=args.lengths, samples=args.samples,
+                           seed=args.seed, answer_tokens=args.max_new_tokens, budget=args.budget,
+                           progress=lambda m: log.info(m))
+    rows = fidelity.summarize(results)
+    print(fidelity.table(rows))
+    if any(r["mode"] == "oracle" for r in rows):
+        print("* oracle: analysis only; it selects with the primary's own attention from a full prefill")
+    if args.json:
+        fidelity.write_json(results, rows, args.json)
     return 0
 
 
@@ -351,9 +372,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_models)
 
-    p = sub.add_parser("bench", help="benchmarks: niah (needle suite), ttft, alignment")
+    p = sub.add_parser("bench", help="benchmarks: niah (needle suite), fidelity (KL to full attention), ttft, alignment")
     _common(p, store_default=str(cache_dir() / "bench-store"))
-    p.add_argument("what", choices=["niah", "ttft", "alignment"])
+    p.add_argument("what", choices=["niah", "fidelity", "ttft", "alignment"])
     p.add_argument("--lengths", type=int, nargs="+", default=[2048], help="context lengths in primary tokens")
     p.add_argument("--modes", nargs="+", default=None, help=f"modes to compare (from {list(MODES)}, and cacheclip-paper: last aux layer, paper rule); "
                    "full is always run")
@@ -366,7 +387,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=5, help="ttft: runs per mode")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk-tokens", type=int, default=256)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated (fidelity: answer tokens compared)")
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--plot", default=None, help="write PNGs next to this path (niah: -quality, -ttft; ttft: -breakdown, -ratio)")
     p.add_argument("--from", dest="from_json", nargs="+", default=None, metavar="JSON",

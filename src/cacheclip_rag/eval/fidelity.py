@@ -1,0 +1,129 @@
+"""`cacheclip bench fidelity`: how close each selector's recompute comes to full attention.
+
+On the needle samples, full attention's own greedy answer is teacher-forced through the reused
+cache with each mode's recomputed rows (`cacheclip_rag.fidelity`); per answer position the
+next-token distribution is compared with full attention's. Columns: mean KL(full || mode) with
+its 95% bootstrap interval, the share of answer positions whose top token is full attention's,
+and the share of samples where every position agrees (greedy decoding would reproduce full
+attention's answer). No label is read; the needle score is `bench niah`'s business.
+
+Modes whose recompute is one set of rows: reuse, random, epic, cacheclip, cacheclip-paper,
+oracle. CacheBlend chooses its rows inside the layer loop and APE changes attention itself, so
+neither has a row set to replay; they are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..engine import CacheClipEngine
+from ..fidelity import kl_positions, reference, top1_agreement
+from .needle import PAPER_MODE, request_for
+from .niah import VARIANTS, generate
+from .stats import bootstrap_interval, mean_of_means
+
+log = logging.getLogger(__name__)
+
+ROW_MODES = ("reuse", "random", "epic", "cacheclip", PAPER_MODE, "oracle")
+
+
+@dataclass
+class FidelityResult:
+    length: int
+    variant: str
+    seed: int
+    mode: str
+    ratio: float
+    kl: float
+    """Mean over answer positions of KL(full || mode)."""
+    agreement: float
+    """Share of answer positions where the mode's top token is full attention's."""
+    exact: bool
+    """Every answer position agrees."""
+    effective_fraction: float
+    answer_tokens: int
+
+
+def run(
+    engine: CacheClipEngine,
+    modes: list[tuple[str, float]],
+    variants: list[str] | None = None,
+    lengths: list[int] = (2048,),
+    samples: int = 5,
+    seed: int = 0,
+    answer_tokens: int = 64,
+    budget: str = "keep",
+    progress=None,
+) -> list[FidelityResult]:
+    """modes: (mode, ratio) pairs from ROW_MODES."""
+    from ..calibrate import CALIBRATION_SEED_BASE
+
+    bad = sorted({m for m, _ in modes} - set(ROW_MODES))
+    if bad:
+        raise ValueError(f"bench fidelity replays a mode's recomputed rows; {bad} have none to replay. "
+                         f"Modes: {list(ROW_MODES)}")
+    if seed + samples > CALIBRATION_SEED_BASE:
+        raise ValueError(f"evaluation seeds must stay below {CALIBRATION_SEED_BASE} (calibration uses those above)")
+    results: list[FidelityResult] = []
+    for length in lengths:
+        for variant in variants or VARIANTS:
+            for i in range(samples):
+                sample = generate(variant, length, seed + i, engine.primary.lm.tokenizer)
+                ids = engine.ingest([sample.context], progress=False)
+                ref = reference(engine, sample.question, ids, answer_tokens)
+                if ref is None:
+                    log.warning("%s %s seed %d: full attention answered nothing; skipped", length, variant, seed + i)
+                    continue
+                chunk_rows = set(ref.layout.chunk_rows().tolist())
+                for mode, ratio in modes:
+                    ans = engine.answer(sample.question, chunk_ids=ids, recompute_ratio=ratio, max_new_tokens=1,
+                                        seed=seed + i, **request_for(mode, budget))
+                    rows = torch.tensor(sorted(set(ans.recomputed) & chunk_rows), dtype=torch.long)
+                    logprobs = ref.forced(engine, rows)
+                    agree = top1_agreement(ref.full_logprobs, logprobs)
+                    results.append(FidelityResult(
+                        length=length, variant=variant, seed=seed + i, mode=mode, ratio=ratio,
+                        kl=float(kl_positions(ref.full_logprobs, logprobs).mean()),
+                        agreement=float(agree.float().mean()), exact=bool(agree.all()),
+                        effective_fraction=ans.effective_fraction, answer_tokens=int(ref.answer.numel())))
+                if progress:
+                    progress(f"{length} {variant} sample {i + 1}/{samples}")
+    return results
+
+
+def summarize(results: list[FidelityResult]) -> list[dict]:
+    """One row per (length, mode, ratio): mean KL over variants with its 95% interval, agreement,
+    exact share, effective fraction."""
+    rows = []
+    for key in sorted({(r.length, r.mode, r.ratio) for r in results}):
+        sel = [r for r in results if (r.length, r.mode, r.ratio) == key]
+        by_variant = {v: [r.kl for r in sel if r.variant == v] for v in VARIANTS}
+        by_variant = {v: kls for v, kls in by_variant.items() if kls}
+        rows.append(dict(length=key[0], mode=key[1], ratio=key[2], samples=len(sel),
+                         label=key[1] if key[1] == "reuse" else f"{key[1]}@{key[2]:g}",
+                         kl=mean_of_means(by_variant), kl_ci95=bootstrap_interval(by_variant),
+                         agreement=statistics.mean(r.agreement for r in sel),
+                         exact=statistics.mean(float(r.exact) for r in sel),
+                         effective_fraction=statistics.mean(r.effective_fraction for r in sel)))
+    rows.sort(key=lambda r: (r["length"], r["kl"]))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'len':>5} {'mode':<20} {'n':>4} {'KL(full||·)':>11} {'95% CI':>17} {'top-1 agree':>11} {'exact':>6} {'eff%':>5}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ci = "[{:.4f}, {:.4f}]".format(*r["kl_ci95"])
+        lines.append(f"{r['length']:>5} {r['label']:<20} {r['samples']:>4} {r['kl']:>11.4f} {ci:>17} "
+                     f"{100 * r['agreement']:>10.1f}% {100 * r['exact']:>5.0f}% {100 * r['effective_fraction']:>5.1f}")
+    return "\n".join(lines)
+
+
+def write_json(results: list[FidelityResult], rows: list[dict], path: str | Path) -> None:
+    Path(path).write_text(json.dumps({"summary": rows, "samples": [asdict(r) for r in results]}, indent=2))
