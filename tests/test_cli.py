@@ -71,7 +71,9 @@ def test_bench_niah_pools_saved_runs_without_loading_models(tmp_path, capsys):
     pooled = json.loads(out.read_text())
     assert len(pooled["samples"]) == 6 and {p["other"] for p in pooled["versus"]} == {"full", "reuse"}
     assert main(["bench", "ttft", "--from", str(out)]) == 2
-    assert "--from and --versus apply to `bench niah`" in capsys.readouterr().err
+    assert "--from applies to `bench niah`" in capsys.readouterr().err
+    assert main(["bench", "ttft", "--versus", "cacheclip@0.2"]) == 2
+    assert "--versus applies to `bench niah` and `bench fidelity`" in capsys.readouterr().err
 
 
 def test_bad_input_exits_2_with_a_message(folders, tmp_path, capsys):

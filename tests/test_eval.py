@@ -170,7 +170,12 @@ def test_miniature_fidelity_bench_and_its_oracles(eng, tmp_path):
     assert rows[0]["label"] == "cacheclip@1" and "top-1 agree" in fidelity.table(rows)
     lo, hi = rows[-1]["kl_ci95"]
     assert lo <= rows[-1]["kl"] <= hi
-    fidelity.write_json(results, rows, tmp_path / "f.json")
+    pairs = needle.versus(results, rows, "cacheclip@0.5", metric="kl")
+    assert {p["other"] for p in pairs} == {r["label"] for r in rows} - {"cacheclip@0.5"}
+    assert "cacheclip@1" in needle.versus_table(pairs, scale=1, digits=4)
+    at_one = next(p for p in pairs if p["other"] == "cacheclip@1")
+    assert at_one["diff"] >= 0 and at_one["wins_losses"][1] == 0  # nothing is closer to full than full itself
+    fidelity.write_json(results, rows, tmp_path / "f.json", pairs)
     assert len(json.loads((tmp_path / "f.json").read_text())["samples"]) == len(results)
     with pytest.raises(ValueError, match=r"\['cacheblend'\] have none to replay"):
         fidelity.run(eng, [("cacheblend", 0.2)], variants=["multivalue"], lengths=[150], samples=1)

@@ -216,8 +216,10 @@ def _mode_list(modes: list[str], ratios: list[float]) -> list[tuple[str, float]]
 
 
 def cmd_bench(args) -> int:
-    if args.what != "niah" and (args.from_json or args.versus):
-        raise ValueError(f"--from and --versus apply to `bench niah`, not `bench {args.what}`")
+    if args.what != "niah" and args.from_json:
+        raise ValueError(f"--from applies to `bench niah`, not `bench {args.what}`")
+    if args.what not in ("niah", "fidelity") and args.versus:
+        raise ValueError(f"--versus applies to `bench niah` and `bench fidelity`, not `bench {args.what}`")
     if args.what == "alignment":
         from .eval import alignment
         from .models import load
@@ -247,8 +249,8 @@ def cmd_bench(args) -> int:
 
 
 def _bench_fidelity(args) -> int:
-    """Teacher-force full attention's answer through each mode's recomputed rows; print the table."""
-    from .eval import fidelity
+    """Teacher-force full attention's answer through each mode's recomputed rows; print the tables."""
+    from .eval import fidelity, needle
 
     engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
     modes = _mode_list(args.modes or ["reuse", "random", "epic", "cacheclip-paper", "cacheclip", "oracle"], args.ratios)
@@ -260,8 +262,14 @@ def _bench_fidelity(args) -> int:
     print(fidelity.table(rows))
     if any(r["mode"] == "oracle" for r in rows):
         print("* oracle: analysis only; it selects with the primary's own attention from a full prefill")
+    labels = args.versus or list(dict.fromkeys(r["label"] for r in rows if r["mode"] == "cacheclip"))
+    pairs = [p for label in labels for p in needle.versus(results, rows, label, metric="kl")]
+    if pairs:
+        print("\nPaired KL differences on the same samples (negative: closer to full; 95% bootstrap interval;"
+              " W/L: higher/lower KL):")
+        print(needle.versus_table(pairs, scale=1, digits=4))
     if args.json:
-        fidelity.write_json(results, rows, args.json)
+        fidelity.write_json(results, rows, args.json, pairs)
     return 0
 
 
@@ -393,7 +401,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="from_json", nargs="+", default=None, metavar="JSON",
                    help="niah: pool these saved runs (disjoint seeds) instead of running")
     p.add_argument("--versus", nargs="+", default=None, metavar="LABEL",
-                   help="niah: compare these rows (e.g. cacheclip@0.2) with every other, sample by sample "
+                   help="niah, fidelity: compare these rows (e.g. cacheclip@0.2) with every other, sample by sample "
                         "(default: the cacheclip rows)")
     p.set_defaults(func=cmd_bench)
 

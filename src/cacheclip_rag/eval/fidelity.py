@@ -125,5 +125,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_json(results: list[FidelityResult], rows: list[dict], path: str | Path) -> None:
-    Path(path).write_text(json.dumps({"summary": rows, "samples": [asdict(r) for r in results]}, indent=2))
+def write_json(results: list[FidelityResult], rows: list[dict], path: str | Path, pairs: list[dict] = ()) -> None:
+    doc = {"summary": rows, "versus": list(pairs), "samples": [asdict(r) for r in results]}
+    Path(path).write_text(json.dumps(doc, indent=2))

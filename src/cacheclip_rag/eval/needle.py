@@ -183,10 +183,12 @@ def _nanmean(values: list[float]) -> float:
     return statistics.mean(values) if values else float("nan")
 
 
-def _paired(results: list[NeedleResult], row: dict, other: dict) -> dict[str, list[float]]:
-    """variant -> score differences (row's mode minus other's) on the samples both ran."""
-    mine = {(r.variant, r.seed): r.score for r in results if _key(r) == (row["length"], row["mode"], row["ratio"])}
-    theirs = {(r.variant, r.seed): r.score for r in results if _key(r) == (other["length"], other["mode"], other["ratio"])}
+def _paired(results: list, row: dict, other: dict, metric: str = "score") -> dict[str, list[float]]:
+    """variant -> differences of `metric` (row's mode minus other's) on the samples both ran.
+    results: any per-sample records with length, variant, seed, mode, ratio and the metric."""
+    mine = {(r.variant, r.seed): getattr(r, metric) for r in results if _key(r) == (row["length"], row["mode"], row["ratio"])}
+    theirs = {(r.variant, r.seed): getattr(r, metric) for r in results
+              if _key(r) == (other["length"], other["mode"], other["ratio"])}
     diffs: dict[str, list[float]] = {}
     for (variant, seed), s in sorted(mine.items()):
         if (variant, seed) in theirs:
@@ -199,10 +201,10 @@ def _wins_losses(diffs: dict[str, list[float]]) -> tuple[int, int]:
     return sum(d > 0 for d in flat), sum(d < 0 for d in flat)
 
 
-def versus(results: list[NeedleResult], rows: list[dict], label: str) -> list[dict]:
+def versus(results: list, rows: list[dict], label: str, metric: str = "score") -> list[dict]:
     """`label`'s row (e.g. "cacheclip@0.2") against every other row of its length, sample by sample:
-    mean paired difference of the average (x100 in the table), its 95% bootstrap interval, wins
-    and losses. Raises ValueError when no row has that label."""
+    mean paired difference of `metric` averaged over variants, its 95% bootstrap interval, wins
+    (a higher metric) and losses. Raises ValueError when no row has that label."""
     mine = [r for r in rows if r["label"] == label]
     if not mine:
         raise ValueError(f"no bench row is labelled {label!r}; rows: {sorted({r['label'] for r in rows})}")
@@ -211,7 +213,7 @@ def versus(results: list[NeedleResult], rows: list[dict], label: str) -> list[di
         for other in rows:
             if other["length"] != row["length"] or other is row:
                 continue
-            diffs = _paired(results, row, other)
+            diffs = _paired(results, row, other, metric)
             if not diffs:
                 continue
             out.append(dict(length=row["length"], label=label, other=other["label"], samples=sum(map(len, diffs.values())),
@@ -219,14 +221,17 @@ def versus(results: list[NeedleResult], rows: list[dict], label: str) -> list[di
     return out
 
 
-def versus_table(pairs: list[dict]) -> str:
-    head = f"{'len':>5} {'mode':<16} {'minus':<20} {'n':>4} {'diff':>6} {'95% CI':>14} {'W/L':>7}"
+def versus_table(pairs: list[dict], scale: float = 100, digits: int = 1) -> str:
+    """Differences (and intervals) times `scale`, with `digits` decimals."""
+    fmt = lambda x: f"{scale * x:+.{digits}f}"  # noqa: E731
+    width = 2 * (digits + 4) + 4
+    head = f"{'len':>5} {'mode':<16} {'minus':<20} {'n':>4} {'diff':>{digits + 5}} {'95% CI':>{width}} {'W/L':>7}"
     lines = [head, "-" * len(head)]
     for p in pairs:
         lo, hi = p["diff_ci95"]
         w, lo_count = p["wins_losses"]
-        lines.append(f"{p['length']:>5} {p['label']:<16} {p['other']:<20} {p['samples']:>4} {100 * p['diff']:>+6.1f} "
-                     f"{f'[{100 * lo:+.1f}, {100 * hi:+.1f}]':>14} {f'{w}/{lo_count}':>7}")
+        lines.append(f"{p['length']:>5} {p['label']:<16} {p['other']:<20} {p['samples']:>4} {fmt(p['diff']):>{digits + 5}} "
+                     f"{f'[{fmt(lo)}, {fmt(hi)}]':>{width}} {f'{w}/{lo_count}':>7}")
     return "\n".join(lines)
 
 
