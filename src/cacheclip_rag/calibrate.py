@@ -98,8 +98,8 @@ class _Sample:
 
 def calibrate(
     engine: CacheClipEngine,
-    lengths: tuple[int, ...] = (1024,),
-    samples: int = 8,
+    lengths: tuple[int, ...] = (2048,),
+    samples: int = 6,
     seed: int = CALIBRATION_SEED_BASE,
     max_run: int = 3,
     ratio: float = 0.2,

@@ -252,7 +252,7 @@ class CacheClipEngine:
         self._open_corpus()
         return {"checked": report["checked"], "damaged": len(report["damaged"]), "rebuilt": rebuilt, "chunks": len(chunks)}
 
-    def calibrate(self, lengths: tuple[int, ...] = (1024,), samples: int = 8, **kwargs) -> tuple[dict, list]:
+    def calibrate(self, lengths: tuple[int, ...] = (2048,), samples: int = 6, **kwargs) -> tuple[dict, list]:
         """Calibrate how the aux model scores tokens for this model pair (cacheclip_rag.calibrate)
         and store the profile, used by default from now on. The generated calibration chunks go
         to a scratch store, never into this one. kwargs: seed, max_run, ratio, answer_tokens, criterion,
