@@ -32,7 +32,7 @@ from .index import ChunkIndex
 from .models import LoadedModel
 from .recognize import ChunkMatcher
 from .pipeline import LayerFeeder
-from .request import Request, RequestOptions, prompt_pieces, question_pieces
+from .request import Request, RequestOptions, check_text, prompt_pieces, question_pieces
 from .recompute import ApeSpec, AssembledCache, BlendSpec, recompute_rows
 from .select import attention_from_rows, map_tokens, pick, scoring_layers, select
 from .store import ChunkKV, KVStore
@@ -339,8 +339,7 @@ class CacheClipEngine:
     def _question_request(self, question: str, chunk_ids: list[str] | None = None, *, k: int | None = None,
                           **options) -> Request:
         """A question over the given chunks, or the top-k retrieved; options: `RequestOptions`."""
-        if not isinstance(question, str) or not question.strip():
-            raise ValueError(f"question must be a non-empty string, got {question!r}")
+        check_text(question, "question")
         opts = RequestOptions.parse(**options)
         if chunk_ids is None:
             chunk_ids = [cid for cid, _ in self.retrieve(question, k)]
@@ -352,8 +351,7 @@ class CacheClipEngine:
     def _prompt_request(self, prompt: str, chunk_ids: list[str] | None = None, **options) -> Request:
         """A finished prompt; the stored chunks found in it (only `chunk_ids`, each required, when given)
         are reused. options: `RequestOptions`."""
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
+        check_text(prompt, "prompt")
         opts = RequestOptions.parse(**options)
         only = set(self._check_ids(chunk_ids)) if chunk_ids is not None else None
         found = self.matcher.find(prompt, only)

@@ -91,14 +91,20 @@ def request_options(defaults: dict, overrides: dict) -> dict:
     return {**defaults, **overrides}
 
 
+def check_text(value, what: str) -> str:
+    """A question or prompt: a string with something besides whitespace."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
+    return value
+
+
 def question_pieces(question: str, chunks: list[tuple[str, str]], prompt: PromptConfig) -> tuple[list[Piece], str]:
     """A question asked over chunks [(id, text)], in the engine's own prompt frame.
 
     Returns the pieces (chunks in the given order, the separator between them, then the question
     template) and the aux query (the filled question template).
     """
-    if not isinstance(question, str) or not question.strip():
-        raise ValueError(f"question must be a non-empty string, got {question!r}")
+    check_text(question, "question")
     pieces: list[Piece] = []
     for i, (cid, text) in enumerate(chunks):
         if i:
