@@ -24,8 +24,7 @@ import torch
 
 from ..engine import CacheClipEngine
 from ..fidelity import kl_positions, reference, top1_agreement
-from .needle import PAPER_MODE, request_for
-from .niah import VARIANTS, generate
+from .needle import PAPER_MODE, by_variants, label, request_for, suite
 from .stats import bootstrap_interval, mean_of_means
 
 log = logging.getLogger(__name__)
@@ -62,38 +61,28 @@ def run(
     progress=None,
 ) -> list[FidelityResult]:
     """modes: (mode, ratio) pairs from ROW_MODES."""
-    from ..calibrate import CALIBRATION_SEED_BASE
-
     bad = sorted({m for m, _ in modes} - set(ROW_MODES))
     if bad:
         raise ValueError(f"bench fidelity replays a mode's recomputed rows; {bad} have none to replay. "
                          f"Modes: {list(ROW_MODES)}")
-    if seed + samples > CALIBRATION_SEED_BASE:
-        raise ValueError(f"evaluation seeds must stay below {CALIBRATION_SEED_BASE} (calibration uses those above)")
     results: list[FidelityResult] = []
-    for length in lengths:
-        for variant in variants or VARIANTS:
-            for i in range(samples):
-                sample = generate(variant, length, seed + i, engine.primary.lm.tokenizer)
-                ids = engine.ingest([sample.context], progress=False)
-                ref = reference(engine, sample.question, ids, answer_tokens)
-                if ref is None:
-                    log.warning("%s %s seed %d: full attention answered nothing; skipped", length, variant, seed + i)
-                    continue
-                chunk_rows = set(ref.layout.chunk_rows().tolist())
-                for mode, ratio in modes:
-                    ans = engine.answer(sample.question, chunk_ids=ids, recompute_ratio=ratio, max_new_tokens=1,
-                                        seed=seed + i, **request_for(mode, budget))
-                    rows = torch.tensor(sorted(set(ans.recomputed) & chunk_rows), dtype=torch.long)
-                    logprobs = ref.forced(engine, rows)
-                    agree = top1_agreement(ref.full_logprobs, logprobs)
-                    results.append(FidelityResult(
-                        length=length, variant=variant, seed=seed + i, mode=mode, ratio=ratio,
-                        kl=float(kl_positions(ref.full_logprobs, logprobs).mean()),
-                        agreement=float(agree.float().mean()), exact=bool(agree.all()),
-                        effective_fraction=ans.effective_fraction, answer_tokens=int(ref.answer.numel())))
-                if progress:
-                    progress(f"{length} {variant} sample {i + 1}/{samples}")
+    for length, variant, sample_seed, sample, ids in suite(engine, variants, lengths, samples, seed, progress):
+        ref = reference(engine, sample.question, ids, answer_tokens)
+        if ref is None:
+            log.warning("%s %s seed %d: full attention answered nothing; skipped", length, variant, sample_seed)
+            continue
+        chunk_rows = set(ref.layout.chunk_rows().tolist())
+        for mode, ratio in modes:
+            ans = engine.answer(sample.question, chunk_ids=ids, recompute_ratio=ratio, max_new_tokens=1,
+                                seed=sample_seed, **request_for(mode, budget))
+            rows = torch.tensor(sorted(set(ans.recomputed) & chunk_rows), dtype=torch.long)
+            logprobs = ref.forced(engine, rows)
+            agree = top1_agreement(ref.full_logprobs, logprobs)
+            results.append(FidelityResult(
+                length=length, variant=variant, seed=sample_seed, mode=mode, ratio=ratio,
+                kl=float(kl_positions(ref.full_logprobs, logprobs).mean()),
+                agreement=float(agree.float().mean()), exact=bool(agree.all()),
+                effective_fraction=ans.effective_fraction, answer_tokens=int(ref.answer.numel())))
     return results
 
 
@@ -103,10 +92,9 @@ def summarize(results: list[FidelityResult]) -> list[dict]:
     rows = []
     for key in sorted({(r.length, r.mode, r.ratio) for r in results}):
         sel = [r for r in results if (r.length, r.mode, r.ratio) == key]
-        by_variant = {v: [r.kl for r in sel if r.variant == v] for v in VARIANTS}
-        by_variant = {v: kls for v, kls in by_variant.items() if kls}
+        by_variant = by_variants(sel, "kl")
         rows.append(dict(length=key[0], mode=key[1], ratio=key[2], samples=len(sel),
-                         label=key[1] if key[1] == "reuse" else f"{key[1]}@{key[2]:g}",
+                         label=label(key[1], key[2]),
                          kl=mean_of_means(by_variant), kl_ci95=bootstrap_interval(by_variant),
                          agreement=statistics.mean(r.agreement for r in sel),
                          exact=statistics.mean(float(r.exact) for r in sel),

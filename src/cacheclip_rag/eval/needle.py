@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import logging
 import statistics
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..engine import CacheClipEngine
-from .niah import VARIANTS, generate, score
+from .niah import VARIANTS, NeedleSample, generate, score
 from .stats import bootstrap_interval, mean_of_means
 
 log = logging.getLogger(__name__)
@@ -70,49 +71,63 @@ def run(
     budget: str = "paper",
 ) -> list[NeedleResult]:
     """modes: (mode, ratio) pairs; full (ratio 1) is always run, as the reference."""
+    if ("full", 1.0) not in modes:
+        modes = [("full", 1.0), *modes]
+    results: list[NeedleResult] = []
+    for length, variant, sample_seed, sample, ids in suite(engine, variants, lengths, samples, seed, progress):
+        needle_rows, chunk_rows = _needle_rows(engine, sample, ids)
+        oracle: dict[float, set[int]] = {}  # ratio -> the oracle's chunk rows, when it runs
+        rows_of: list[tuple[NeedleResult, set[int]]] = []
+        full_ttft = None
+        for mode, ratio in modes:
+            ans = engine.answer(sample.question, chunk_ids=ids, recompute_ratio=ratio,
+                                max_new_tokens=max_new_tokens, seed=sample_seed, **request_for(mode, budget))
+            recomputed = set(ans.recomputed) & chunk_rows
+            t = ans.timings
+            if mode == "full":
+                full_ttft = t["ttft"]
+            if mode == "oracle":
+                oracle[ratio] = recomputed
+            results.append(NeedleResult(
+                length=length, variant=variant, seed=sample_seed, mode=mode, ratio=ratio,
+                score=score(ans.text, sample.expected), answer=ans.text, ttft=t["ttft"],
+                ttft_vs_full=t["ttft"] / full_ttft if full_ttft else float("nan"),
+                selection=t["selection"], load=t["load"], assemble=t["assemble"], recompute=t["recompute"],
+                effective_fraction=ans.effective_fraction, prompt_tokens=ans.prompt_tokens,
+                needle_coverage=len(recomputed & needle_rows) / len(needle_rows) if needle_rows else float("nan"),
+                oracle_overlap=float("nan"),
+            ))
+            rows_of.append((results[-1], recomputed))
+        for result, recomputed in rows_of:  # overlap with the oracle's rows at the same ratio
+            if result.ratio in oracle:
+                result.oracle_overlap = _jaccard(recomputed, oracle[result.ratio])
+    return results
+
+
+def suite(
+    engine: CacheClipEngine,
+    variants: list[str] | None,
+    lengths: list[int],
+    samples: int,
+    seed: int,
+    progress=None,
+) -> Iterator[tuple[int, str, int, NeedleSample, list[str]]]:
+    """The samples a needle-suite bench runs on, generated and ingested, one at a time:
+    (length, variant, seed, sample, chunk ids). Evaluation seeds must stay below the calibration
+    seeds (ValueError before anything runs); progress(message) is called after each sample."""
     from ..calibrate import CALIBRATION_SEED_BASE
 
     if seed + samples > CALIBRATION_SEED_BASE:
         raise ValueError(f"evaluation seeds must stay below {CALIBRATION_SEED_BASE} (calibration uses those above)")
-    if ("full", 1.0) not in modes:
-        modes = [("full", 1.0), *modes]
     variants = list(variants or VARIANTS)
-    results: list[NeedleResult] = []
-    tokenizer = engine.primary.lm.tokenizer
     for length in lengths:
         for variant in variants:
             for i in range(samples):
-                sample = generate(variant, length, seed + i, tokenizer)
+                sample = generate(variant, length, seed + i, engine.primary.lm.tokenizer)
                 ids = engine.ingest([sample.context], progress=False)
-                needle_rows, chunk_rows = _needle_rows(engine, sample, ids)
-                oracle: dict[float, set[int]] = {}  # ratio -> the oracle's chunk rows, when it runs
-                rows_of: list[tuple[NeedleResult, set[int]]] = []
-                full_ttft = None
-                for mode, ratio in modes:
-                    ans = engine.answer(sample.question, chunk_ids=ids, recompute_ratio=ratio,
-                                        max_new_tokens=max_new_tokens, seed=seed + i, **request_for(mode, budget))
-                    recomputed = set(ans.recomputed) & chunk_rows
-                    t = ans.timings
-                    if mode == "full":
-                        full_ttft = t["ttft"]
-                    if mode == "oracle":
-                        oracle[ratio] = recomputed
-                    results.append(NeedleResult(
-                        length=length, variant=variant, seed=seed + i, mode=mode, ratio=ratio,
-                        score=score(ans.text, sample.expected), answer=ans.text, ttft=t["ttft"],
-                        ttft_vs_full=t["ttft"] / full_ttft if full_ttft else float("nan"),
-                        selection=t["selection"], load=t["load"], assemble=t["assemble"], recompute=t["recompute"],
-                        effective_fraction=ans.effective_fraction, prompt_tokens=ans.prompt_tokens,
-                        needle_coverage=len(recomputed & needle_rows) / len(needle_rows) if needle_rows else float("nan"),
-                        oracle_overlap=float("nan"),
-                    ))
-                    rows_of.append((results[-1], recomputed))
-                for result, recomputed in rows_of:  # overlap with the oracle's rows at the same ratio
-                    if result.ratio in oracle:
-                        result.oracle_overlap = _jaccard(recomputed, oracle[result.ratio])
+                yield length, variant, seed + i, sample, ids
                 if progress:
                     progress(f"{length} {variant} sample {i + 1}/{samples}")
-    return results
 
 
 def _needle_rows(engine: CacheClipEngine, sample, ids: list[str]) -> tuple[set[int], set[int]]:
@@ -137,7 +152,8 @@ def _jaccard(a: set, b: set) -> float:
     return len(a & b) / len(a | b) if a | b else 1.0
 
 
-def _label(mode: str, ratio: float) -> str:
+def label(mode: str, ratio: float) -> str:
+    """A bench row's name: the mode, with its ratio where it has one; the oracle starred."""
     if mode == "oracle":
         return f"oracle@{ratio:g}*"  # analysis only: selects with a full prefill
     return mode if mode in ("full", "reuse", "ape") else f"{mode}@{ratio:g}"
@@ -154,9 +170,8 @@ def summarize(results: list[NeedleResult]) -> list[dict]:
     keys = sorted({_key(r) for r in results}, key=lambda k: (k[0], k[1] != "full", k[1], k[2]))
     for length, mode, ratio in keys:
         sel = [r for r in results if _key(r) == (length, mode, ratio)]
-        by_variant = {v: [r.score for r in sel if r.variant == v] for v in VARIANTS}
-        by_variant = {v: scores for v, scores in by_variant.items() if scores}
-        row = dict(length=length, mode=mode, ratio=ratio, label=_label(mode, ratio), samples=len(sel),
+        by_variant = by_variants(sel, "score")
+        row = dict(length=length, mode=mode, ratio=ratio, label=label(mode, ratio), samples=len(sel),
                    variants={v: statistics.mean(scores) for v, scores in by_variant.items()},
                    avg=mean_of_means(by_variant), avg_ci95=bootstrap_interval(by_variant),
                    effective_fraction=statistics.mean(r.effective_fraction for r in sel),
@@ -176,6 +191,12 @@ def summarize(results: list[NeedleResult]) -> list[dict]:
         diffs = _paired(results, row, reuse) if reuse else {}
         row["wins_losses_vs_reuse"] = _wins_losses(diffs)
     return rows
+
+
+def by_variants(records: list, metric: str) -> dict[str, list[float]]:
+    """variant -> the records' `metric` values, for the variants present (in suite order)."""
+    groups = {v: [getattr(r, metric) for r in records if r.variant == v] for v in VARIANTS}
+    return {v: values for v, values in groups.items() if values}
 
 
 def _nanmean(values: list[float]) -> float:
