@@ -76,6 +76,16 @@ def test_bench_niah_pools_saved_runs_without_loading_models(tmp_path, capsys):
     assert "--versus applies to `bench niah` and `bench fidelity`" in capsys.readouterr().err
 
 
+def test_bench_fidelity_prints_the_table_and_paired_differences(folders, tmp_path, capsys):
+    out = tmp_path / "f.json"
+    assert main(["bench", "fidelity", "--lengths", "100", "--samples", "1", "--variants", "multivalue", "--modes",
+                 "reuse", "cacheclip", "--ratios", "0.5", "--chunk-tokens", "40", "--max-new-tokens", "3",
+                 "--json", str(out), *_args(folders, tmp_path / "s")]) == 0
+    printed = capsys.readouterr().out
+    assert "KL(full||·)" in printed and "Paired KL differences" in printed
+    assert {p["other"] for p in json.loads(out.read_text())["versus"]} == {"reuse"}
+
+
 def test_bad_input_exits_2_with_a_message(folders, tmp_path, capsys):
     assert main(["ask", "q?", "--ratio", "1.5", *_args(folders, tmp_path / "empty")]) == 2
     assert "recompute_ratio must be in [0, 1]" in capsys.readouterr().err

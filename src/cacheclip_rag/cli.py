@@ -248,9 +248,25 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _print_versus(args, results: list, rows: list[dict], metric: str, title: str, scale: float = 100,
+                  digits: int = 1) -> list[dict]:
+    """After a bench table: the oracle's footnote, then the paired comparison of the --versus rows
+    (default: the cacheclip rows) with every other on `metric`. Returns the pairs."""
+    from .eval import needle
+
+    if any(r["mode"] == "oracle" for r in rows):
+        print("* oracle: analysis only; it selects with the primary's own attention from a full prefill")
+    labels = args.versus or list(dict.fromkeys(r["label"] for r in rows if r["mode"] == "cacheclip"))
+    pairs = [p for label in labels for p in needle.versus(results, rows, label, metric=metric)]
+    if pairs:
+        print(f"\n{title}")
+        print(needle.versus_table(pairs, scale=scale, digits=digits))
+    return pairs
+
+
 def _bench_fidelity(args) -> int:
     """Teacher-force full attention's answer through each mode's recomputed rows; print the tables."""
-    from .eval import fidelity, needle
+    from .eval import fidelity
 
     engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
     modes = _mode_list(args.modes or ["reuse", "random", "epic", "cacheclip-paper", "cacheclip", "oracle"], args.ratios)
@@ -260,14 +276,8 @@ def _bench_fidelity(args) -> int:
                            progress=lambda m: log.info(m))
     rows = fidelity.summarize(results)
     print(fidelity.table(rows))
-    if any(r["mode"] == "oracle" for r in rows):
-        print("* oracle: analysis only; it selects with the primary's own attention from a full prefill")
-    labels = args.versus or list(dict.fromkeys(r["label"] for r in rows if r["mode"] == "cacheclip"))
-    pairs = [p for label in labels for p in needle.versus(results, rows, label, metric="kl")]
-    if pairs:
-        print("\nPaired KL differences on the same samples (negative: closer to full; 95% bootstrap interval;"
-              " W/L: higher/lower KL):")
-        print(needle.versus_table(pairs, scale=1, digits=4))
+    pairs = _print_versus(args, results, rows, "kl", "Paired KL differences on the same samples (negative: "
+                          "closer to full; 95% bootstrap interval; W/L: higher/lower KL):", scale=1, digits=4)
     if args.json:
         fidelity.write_json(results, rows, args.json, pairs)
     return 0
@@ -287,13 +297,8 @@ def _bench_niah(args) -> int:
                              budget=args.budget)
     rows = needle.summarize(results)
     print(needle.table(rows))
-    if any(r["mode"] == "oracle" for r in rows):
-        print("* oracle: analysis only; it selects with the primary's own attention from a full prefill")
-    labels = args.versus or list(dict.fromkeys(r["label"] for r in rows if r["mode"] == "cacheclip"))
-    pairs = [p for label in labels for p in needle.versus(results, rows, label)]
-    if pairs:
-        print("\nPaired differences on the same samples (x100; 95% stratified bootstrap interval):")
-        print(needle.versus_table(pairs))
+    pairs = _print_versus(args, results, rows, "score",
+                          "Paired differences on the same samples (x100; 95% stratified bootstrap interval):")
     if args.json:
         needle.write_json(results, rows, args.json, pairs)
     if args.plot:
