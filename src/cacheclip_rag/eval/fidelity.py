@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..engine import CacheClipEngine
-from ..fidelity import kl_positions, reference, top1_agreement
+from ..fidelity import Reference, kl_positions, reference, top1_agreement
 from .needle import PAPER_MODE, by_variants, label, request_for, suite
 from .stats import bootstrap_interval, mean_of_means
 
@@ -71,19 +71,32 @@ def run(
         if ref is None:
             log.warning("%s %s seed %d: full attention answered nothing; skipped", length, variant, sample_seed)
             continue
-        chunk_rows = set(ref.layout.chunk_rows().tolist())
         for mode, ratio in modes:
-            ans = engine.answer(sample.question, chunk_ids=ids, recompute_ratio=ratio, max_new_tokens=1,
-                                seed=sample_seed, **request_for(mode, budget))
-            rows = torch.tensor(sorted(set(ans.recomputed) & chunk_rows), dtype=torch.long)
-            logprobs = ref.forced(engine, rows)
-            agree = top1_agreement(ref.full_logprobs, logprobs)
-            results.append(FidelityResult(
-                length=length, variant=variant, seed=sample_seed, mode=mode, ratio=ratio,
-                kl=float(kl_positions(ref.full_logprobs, logprobs).mean()),
-                agreement=float(agree.float().mean()), exact=bool(agree.all()),
-                effective_fraction=ans.effective_fraction, answer_tokens=int(ref.answer.numel())))
+            rows = mode_rows(engine, sample.question, ids, ref, mode, ratio, sample_seed, budget)
+            results.append(replay(engine, ref, rows, length, variant, sample_seed, mode, ratio))
     return results
+
+
+def mode_rows(engine: CacheClipEngine, question: str, ids: list[str], ref: Reference, mode: str, ratio: float,
+              seed: int, budget: str) -> torch.Tensor:
+    """[S] the chunk rows `mode` recomputes for this request (one decoding step is enough to know)."""
+    ans = engine.answer(question, chunk_ids=ids, recompute_ratio=ratio, max_new_tokens=1, seed=seed,
+                        **request_for(mode, budget))
+    chunk_rows = set(ref.layout.chunk_rows().tolist())
+    return torch.tensor(sorted(set(ans.recomputed) & chunk_rows), dtype=torch.long)
+
+
+def replay(engine: CacheClipEngine, ref: Reference, rows: torch.Tensor, length: int, variant: str, seed: int,
+           mode: str, ratio: float) -> FidelityResult:
+    """Teacher-force full attention's answer with chunk `rows` [S] recomputed; compare with full."""
+    logprobs = ref.forced(engine, rows)
+    agree = top1_agreement(ref.full_logprobs, logprobs)
+    n_context = int(ref.layout.chunk_rows().numel())
+    return FidelityResult(
+        length=length, variant=variant, seed=seed, mode=mode, ratio=ratio,
+        kl=float(kl_positions(ref.full_logprobs, logprobs).mean()),
+        agreement=float(agree.float().mean()), exact=bool(agree.all()),
+        effective_fraction=rows.numel() / n_context if n_context else 0.0, answer_tokens=int(ref.answer.numel()))
 
 
 def summarize(results: list[FidelityResult]) -> list[dict]:
