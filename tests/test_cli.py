@@ -73,7 +73,7 @@ def test_bench_niah_pools_saved_runs_without_loading_models(tmp_path, capsys):
     assert main(["bench", "ttft", "--from", str(out)]) == 2
     assert "--from applies to `bench niah`" in capsys.readouterr().err
     assert main(["bench", "ttft", "--versus", "cacheclip@0.2"]) == 2
-    assert "--versus applies to `bench niah` and `bench fidelity`" in capsys.readouterr().err
+    assert "--versus applies to `bench niah`, `fidelity` and `deviation`" in capsys.readouterr().err
 
 
 def test_bench_fidelity_prints_the_table_and_paired_differences(folders, tmp_path, capsys):
@@ -84,6 +84,15 @@ def test_bench_fidelity_prints_the_table_and_paired_differences(folders, tmp_pat
     printed = capsys.readouterr().out
     assert "KL(full||·)" in printed and "Paired KL differences" in printed
     assert {p["other"] for p in json.loads(out.read_text())["versus"]} == {"reuse"}
+
+
+def test_bench_deviation_prints_layers_concentration_and_fidelity(folders, tmp_path, capsys):
+    out = tmp_path / "d.json"
+    assert main(["bench", "deviation", "--lengths", "100", "--samples", "1", "--variants", "multivalue", "--ratios",
+                 "0.5", "--chunk-tokens", "40", "--max-new-tokens", "3", "--json", str(out), *_args(folders, tmp_path / "s")]) == 0
+    printed = capsys.readouterr().out
+    assert "V later" in printed and "of the deviation" in printed and "oracle@0.5*" in printed
+    assert {p["other"] for p in json.loads(out.read_text())["versus"]} == {"deviation@0.5", "deviation-L1@0.5"}
 
 
 def test_bad_input_exits_2_with_a_message(folders, tmp_path, capsys):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
-from cacheclip_rag.eval import alignment, fidelity, html, needle, plots, qa, ttft
+from cacheclip_rag import fidelity as fidelity_lib
+from cacheclip_rag.eval import alignment, deviation, fidelity, html, needle, niah, plots, qa, ttft
 from cacheclip_rag.eval.metrics import best_of, exact_match, normalize, rouge_l, token_f1
 from cacheclip_rag.eval.niah import VARIANTS, generate, score
 from cacheclip_rag.eval.stats import bootstrap_interval, mean_of_means
@@ -179,6 +180,41 @@ def test_miniature_fidelity_bench_and_its_oracles(eng, tmp_path):
     assert len(json.loads((tmp_path / "f.json").read_text())["samples"]) == len(results)
     with pytest.raises(ValueError, match=r"\['cacheblend'\] have none to replay"):
         fidelity.run(eng, [("cacheblend", 0.2)], variants=["multivalue"], lengths=[150], samples=1)
+
+
+def test_reused_cache_deviates_only_after_the_first_chunk(eng):
+    sample = niah.generate("multivalue", 150, 0, eng.primary.lm.tokenizer)
+    ids = eng.ingest([sample.context], progress=False)
+    ref = fidelity_lib.reference(eng, sample.question, ids, 4)
+    k, v = deviation.kv_deviation(eng, ref)
+    segments = ref.layout.chunk_segments()
+    assert len(segments) >= 2 and k.shape == v.shape == (eng.primary.lm.num_layers, ref.layout.chunk_rows().numel())
+    first = segments[0].end - segments[0].start
+    # The first chunk follows the prefix in both caches: rounding only. Layer 0 sees no context at all.
+    assert k[:, :first].max() < 1e-2 and v[:, :first].max() < 1e-2
+    assert k[0].max() < 1e-2 and v[0].max() < 1e-2
+    assert v[1:, first:].mean() > 10 * v[1:, :first].mean()
+
+
+def test_deviation_bench_on_tiny_models(eng, tmp_path):
+    deviations, results = deviation.run(eng, [0.3], variants=["multivalue"], lengths=[150], samples=2, answer_tokens=4)
+    assert len(deviations) == 2 and {r.mode for r in results} == {"deviation", "deviation-L1", "oracle"}
+    assert all(r.effective_fraction == pytest.approx(0.3, abs=0.02) for r in results)
+    assert all(0.3 <= d.top_share[0.3] <= 1.0 for d in deviations)
+    assert "V later" in deviation.layer_table(deviations) and "hold" in deviation.concentration(deviations)
+    rows = fidelity.summarize(results)
+    deviation.write_json(deviations, results, rows, tmp_path / "d.json")
+    assert len(json.loads((tmp_path / "d.json").read_text())["deviation"]) == 2
+    with pytest.raises(ValueError, match="strictly between 0 and 1"):
+        deviation.run(eng, [1.0], variants=["multivalue"], lengths=[150], samples=1)
+
+
+def test_top_rows_and_their_share():
+    rows = torch.arange(10, 20)
+    scores = torch.tensor([0.0, 5, 1, 4, 0, 0, 3, 0, 0, 2])
+    assert deviation.top_rows(rows, scores, 0.3).tolist() == [11, 13, 16]
+    assert deviation.top_share(torch.ones(10), 0.2) == pytest.approx(0.2)
+    assert deviation.top_share(scores, 0.2) == pytest.approx(9 / 15)
 
 
 def test_miniature_qa_and_ttft_runs(eng, tmp_path):

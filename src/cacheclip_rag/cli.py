@@ -218,8 +218,8 @@ def _mode_list(modes: list[str], ratios: list[float]) -> list[tuple[str, float]]
 def cmd_bench(args) -> int:
     if args.what != "niah" and args.from_json:
         raise ValueError(f"--from applies to `bench niah`, not `bench {args.what}`")
-    if args.what not in ("niah", "fidelity") and args.versus:
-        raise ValueError(f"--versus applies to `bench niah` and `bench fidelity`, not `bench {args.what}`")
+    if args.what not in ("niah", "fidelity", "deviation") and args.versus:
+        raise ValueError(f"--versus applies to `bench niah`, `fidelity` and `deviation`, not `bench {args.what}`")
     if args.what == "alignment":
         from .eval import alignment
         from .models import load
@@ -233,6 +233,8 @@ def cmd_bench(args) -> int:
         return _bench_niah(args)
     if args.what == "fidelity":
         return _bench_fidelity(args)
+    if args.what == "deviation":
+        return _bench_deviation(args)
     from .eval import ttft
 
     engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
@@ -262,6 +264,32 @@ def _print_versus(args, results: list, rows: list[dict], metric: str, title: str
         print(f"\n{title}")
         print(needle.versus_table(pairs, scale=scale, digits=digits))
     return pairs
+
+
+def _bench_deviation(args) -> int:
+    """Reused vs full K/V per layer, how concentrated the deviation is, and the fidelity of
+    rows chosen by deviation against rows chosen by attention."""
+    from .eval import deviation, fidelity
+    from .eval.needle import label
+
+    engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
+    deviations, results = deviation.run(engine, args.ratios, variants=args.variants, lengths=args.lengths,
+                                        samples=args.samples, seed=args.seed, answer_tokens=args.max_new_tokens,
+                                        budget=args.budget, progress=lambda m: log.info(m))
+    if not deviations:
+        raise ValueError("full attention answered none of the samples; nothing to compare")
+    print("Relative deviation of the reused cache from full prefill, |full - reused| / |full|, mean over rows:")
+    print(deviation.layer_table(deviations))
+    print(deviation.concentration(deviations))
+    print("\nFidelity to full attention of the rows each criterion picks:")
+    rows = fidelity.summarize(results)
+    print(fidelity.table(rows))
+    args.versus = args.versus or [label("oracle", r) for r in args.ratios]
+    pairs = _print_versus(args, results, rows, "kl", "Paired KL differences on the same samples (negative: closer "
+                          "to full; 95% bootstrap interval; W/L: higher/lower KL):", scale=1, digits=4)
+    if args.json:
+        deviation.write_json(deviations, results, rows, args.json, pairs)
+    return 0
 
 
 def _bench_fidelity(args) -> int:
@@ -387,9 +415,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_models)
 
-    p = sub.add_parser("bench", help="benchmarks: niah (needle suite), fidelity (KL to full attention), ttft, alignment")
+    p = sub.add_parser("bench", help="benchmarks: niah (needle suite), fidelity (KL to full attention), deviation "
+                       "(reused vs full K/V, and selecting by it), ttft, alignment")
     _common(p, store_default=str(cache_dir() / "bench-store"))
-    p.add_argument("what", choices=["niah", "fidelity", "ttft", "alignment"])
+    p.add_argument("what", choices=["niah", "fidelity", "deviation", "ttft", "alignment"])
     p.add_argument("--lengths", type=int, nargs="+", default=[2048], help="context lengths in primary tokens")
     p.add_argument("--modes", nargs="+", default=None, help=f"modes to compare (from {list(MODES)}, and cacheclip-paper: last aux layer, paper rule); "
                    "full is always run")
@@ -408,8 +437,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="from_json", nargs="+", default=None, metavar="JSON",
                    help="niah: pool these saved runs (disjoint seeds) instead of running")
     p.add_argument("--versus", nargs="+", default=None, metavar="LABEL",
-                   help="niah, fidelity: compare these rows (e.g. cacheclip@0.2) with every other, sample by sample "
-                        "(default: the cacheclip rows)")
+                   help="niah, fidelity, deviation: compare these rows (e.g. cacheclip@0.2) with every other, sample "
+                        "by sample (default: the cacheclip rows; deviation: the oracle rows)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("eval", help="QA from a JSON Lines file: every mode on the same examples")

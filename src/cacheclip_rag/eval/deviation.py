@@ -1,0 +1,154 @@
+"""`cacheclip bench deviation`: how far a reused cache is from full prefill, where, and whether
+the rows that deviate most are the ones worth recomputing.
+
+On the needle samples, the request's reused cache (every chunk encoded alone after the prefix,
+keys re-rotated to their place) is compared with the cache a full prefill writes, row by row and
+layer by layer: |K_full - K_reused| / |K_full|, mean over KV heads, and the same for V. The first
+chunk follows the prefix in both, so its rows differ by rounding only (a built-in check); a later
+row differs by what the chunks before it would have told it.
+
+Then chunk rows are chosen three ways at each ratio and teacher-forced like `bench fidelity`:
+`deviation` (the rows whose K and V deviate most, averaged over all layers: what a deviation
+criterion could pick knowing every layer exactly), `deviation-L<c>` (K deviation at CacheBlend's
+check layer c alone: CacheBlend's own criterion, exact), and `oracle` (the primary's last-layer
+attention from the question). Analysis only: each needs a full prefill.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..engine import CacheClipEngine
+from ..fidelity import Reference, reference
+from ..recompute import AssembledCache, recompute_rows
+from .fidelity import FidelityResult, mode_rows, replay
+from .needle import suite
+
+
+@dataclass
+class DeviationResult:
+    """One sample. k_first / v_first, k_later / v_later: [layers] mean relative deviation over the
+    first chunk's rows and over every later chunk's rows. top_share: {ratio: share of all rows'
+    deviation (mean over layers, K and V) held by the top `ratio` of rows}."""
+
+    length: int
+    variant: str
+    seed: int
+    k_first: list[float]
+    v_first: list[float]
+    k_later: list[float]
+    v_later: list[float]
+    top_share: dict[float, float]
+
+
+def full_cache(engine: CacheClipEngine, ref: Reference) -> AssembledCache:
+    """The cache a full prefill of the request writes (every prompt row recomputed in a copy)."""
+    layout = ref.layout
+    cache = AssembledCache([k.clone() for k in ref.base_cache.keys], [v.clone() for v in ref.base_cache.values])
+    rows = torch.unique(torch.cat([layout.uncached_rows(), layout.chunk_rows()]))
+    recompute_rows(engine.primary.lm, cache, layout.input_ids, rows, backend=engine.config.attention_backend)
+    return cache
+
+
+def relative_deviation(full: torch.Tensor, reused: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[R] |full - reused| / |full| per row, mean over KV heads; tensors [1, kv_heads, N, head_dim]."""
+    f, r = full[0, :, rows].float(), reused[0, :, rows].float()
+    return ((f - r).norm(dim=-1) / f.norm(dim=-1).clamp(min=1e-6)).mean(0)
+
+
+def kv_deviation(engine: CacheClipEngine, ref: Reference) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V deviation of the reused cache from full prefill: two [layers, C] tensors over the
+    request's chunk rows (`ref.layout.chunk_rows()`)."""
+    full = full_cache(engine, ref)
+    rows = ref.layout.chunk_rows()
+    k = torch.stack([relative_deviation(f, r, rows) for f, r in zip(full.keys, ref.base_cache.keys)])
+    v = torch.stack([relative_deviation(f, r, rows) for f, r in zip(full.values, ref.base_cache.values)])
+    return k, v
+
+
+def top_rows(chunk_rows: torch.Tensor, scores: torch.Tensor, ratio: float) -> torch.Tensor:
+    """[S] sorted: the round(ratio * C) chunk rows with the highest scores [C]."""
+    k = round(ratio * chunk_rows.numel())
+    return chunk_rows[torch.topk(scores, k).indices].sort().values
+
+
+def top_share(scores: torch.Tensor, ratio: float) -> float:
+    """Share of the total held by the top `ratio` of scores (uniform scores: `ratio`)."""
+    k = max(1, round(ratio * scores.numel()))
+    return float(torch.topk(scores, k).values.sum() / scores.sum().clamp(min=1e-12))
+
+
+def run(
+    engine: CacheClipEngine,
+    ratios: list[float],
+    variants: list[str] | None = None,
+    lengths: list[int] = (2048,),
+    samples: int = 5,
+    seed: int = 0,
+    answer_tokens: int = 64,
+    budget: str = "keep",
+    progress=None,
+) -> tuple[list[DeviationResult], list[FidelityResult]]:
+    """Per sample: the deviation profile, and the fidelity of deviation- and attention-chosen rows."""
+    if not ratios or not all(0 < r < 1 for r in ratios):
+        raise ValueError(f"ratios must be fractions strictly between 0 and 1, got {ratios!r}")
+    check = engine.config.baselines.cacheblend_check_layer
+    deviations: list[DeviationResult] = []
+    fidelity: list[FidelityResult] = []
+    for length, variant, sample_seed, sample, ids in suite(engine, variants, lengths, samples, seed, progress):
+        ref = reference(engine, sample.question, ids, answer_tokens)
+        if ref is None:
+            continue
+        k, v = kv_deviation(engine, ref)
+        first = ref.layout.chunk_segments()[0]
+        n_first = first.end - first.start
+        overall = (k + v).mean(0) / 2  # [C]
+        deviations.append(DeviationResult(
+            length=length, variant=variant, seed=sample_seed,
+            k_first=k[:, :n_first].mean(1).tolist(), v_first=v[:, :n_first].mean(1).tolist(),
+            k_later=k[:, n_first:].mean(1).tolist() if k.shape[1] > n_first else [],
+            v_later=v[:, n_first:].mean(1).tolist() if v.shape[1] > n_first else [],
+            top_share={r: top_share(overall, r) for r in ratios}))
+        chunk_rows = ref.layout.chunk_rows()
+        for ratio in ratios:
+            chosen = {
+                "deviation": top_rows(chunk_rows, overall, ratio),
+                f"deviation-L{check}": top_rows(chunk_rows, k[check], ratio),
+                "oracle": mode_rows(engine, sample.question, ids, ref, "oracle", ratio, sample_seed, budget),
+            }
+            for mode, rows in chosen.items():
+                fidelity.append(replay(engine, ref, rows, length, variant, sample_seed, mode, ratio))
+    return deviations, fidelity
+
+
+def layer_table(results: list[DeviationResult]) -> str:
+    """Per layer, mean over samples: K and V deviation of the first chunk's rows and of later ones."""
+    head = f"{'layer':>5} {'K first':>8} {'V first':>8} {'K later':>8} {'V later':>8}"
+    lines = [head, "-" * len(head)]
+    later = [r for r in results if r.k_later]
+    for layer in range(len(results[0].k_first)):
+        cells = [statistics.mean(getattr(r, name)[layer] for r in pool)
+                 for name, pool in (("k_first", results), ("v_first", results), ("k_later", later), ("v_later", later))
+                 if pool]
+        lines.append(f"{layer:>5} " + " ".join(f"{c:>8.3f}" for c in cells))
+    return "\n".join(lines)
+
+
+def concentration(results: list[DeviationResult]) -> str:
+    """One line per ratio: the share of the deviation the top rows hold (mean over samples)."""
+    ratios = sorted({r for res in results for r in res.top_share})
+    return "\n".join(f"the {100 * r:g}% of chunk rows that deviate most hold "
+                     f"{100 * statistics.mean(res.top_share[r] for res in results):.1f}% of the deviation "
+                     f"(evenly spread: {100 * r:g}%)" for r in ratios)
+
+
+def write_json(deviations: list[DeviationResult], fidelity: list[FidelityResult], rows: list[dict],
+               path: str | Path, pairs: list[dict] = ()) -> None:
+    doc = {"fidelity_summary": rows, "versus": list(pairs), "deviation": [asdict(r) for r in deviations],
+           "fidelity": [asdict(r) for r in fidelity]}
+    Path(path).write_text(json.dumps(doc, indent=2))
