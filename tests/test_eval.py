@@ -123,6 +123,14 @@ def test_versus_pairs_samples_and_counts_wins():
         needle.versus(results, rows, "oracle@0.2")
 
 
+def test_percent_of_full_compares_the_samples_a_row_ran():
+    results = [_result("full", 1.0, "multivalue", 0, 1.0), _result("full", 1.0, "single_1", 0, 0.0),
+               _result("reuse", 0.0, "multivalue", 0, 0.5)]  # reuse ran one of full's two samples
+    rows = {r["label"]: r for r in needle.summarize(results)}
+    assert rows["full"]["pct_of_full"] == pytest.approx(100.0)
+    assert rows["reuse"]["pct_of_full"] == pytest.approx(50.0)  # against full's 1.0 there, not its 0.5 average
+
+
 def test_load_pools_runs_and_refuses_a_sample_counted_twice(tmp_path):
     run_a = [_result("full", 1.0, "multivalue", 0, 1.0), _result("reuse", 0.0, "multivalue", 0, 0.0)]
     run_b = [_result("full", 1.0, "multivalue", 0, 1.0), _result("cacheclip", 0.2, "multivalue", 0, 1.0)]

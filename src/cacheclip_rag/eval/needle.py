@@ -186,7 +186,8 @@ def summarize(results: list[NeedleResult]) -> list[dict]:
         rows.append(row)
     for row in rows:
         full = next((r for r in rows if r["length"] == row["length"] and r["mode"] == "full"), None)
-        row["pct_of_full"] = 100 * row["avg"] / full["avg"] if full and full["avg"] else float("nan")
+        full_avg = _avg_on_samples_of(results, full, row) if full else float("nan")
+        row["pct_of_full"] = 100 * row["avg"] / full_avg if full_avg else float("nan")
         reuse = next((r for r in rows if r["length"] == row["length"] and r["mode"] == "reuse"), None)
         diffs = _paired(results, row, reuse) if reuse else {}
         row["wins_losses_vs_reuse"] = _wins_losses(diffs)
@@ -215,6 +216,14 @@ def _paired(results: list, row: dict, other: dict, metric: str = "score") -> dic
         if (variant, seed) in theirs:
             diffs.setdefault(variant, []).append(s - theirs[(variant, seed)])
     return diffs
+
+
+def _avg_on_samples_of(results: list, other: dict, row: dict) -> float:
+    """`other`'s average score on the samples `row` ran (pooled runs may give rows different
+    variants or seeds: % of full must compare like with like); nan when they share none."""
+    mine = {(r.variant, r.seed) for r in results if _key(r) == (row["length"], row["mode"], row["ratio"])}
+    theirs = [r for r in results if _key(r) == (other["length"], other["mode"], other["ratio"]) and (r.variant, r.seed) in mine]
+    return mean_of_means(by_variants(theirs, "score")) if theirs else float("nan")
 
 
 def _wins_losses(diffs: dict[str, list[float]]) -> tuple[int, int]:
