@@ -42,7 +42,7 @@ class Reference:
         uncached row, and the answer) recomputed in a copy of the reused cache."""
         layout, answer = self.layout, self.answer
         n, t = layout.num_tokens, int(answer.numel())
-        cache = AssembledCache([k.clone() for k in self.base_cache.keys], [v.clone() for v in self.base_cache.values])
+        cache = self.base_cache.copy()
         ids = torch.cat([layout.input_ids, answer[:-1]])
         rows = torch.unique(torch.cat([layout.uncached_rows(), selected, torch.arange(n, n + t - 1)]))
         result = recompute_rows(engine.primary.lm, cache, ids, rows, backend=engine.config.attention_backend, tail=t)

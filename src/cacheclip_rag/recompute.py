@@ -40,6 +40,10 @@ class AssembledCache:
     def num_tokens(self) -> int:
         return int(self.keys[0].shape[2])
 
+    def copy(self) -> AssembledCache:
+        """An independent copy (recompute writes rows in place)."""
+        return AssembledCache([k.clone() for k in self.keys], [v.clone() for v in self.values])
+
     @classmethod
     def empty(cls, lm: LoadedModel, n_tokens: int) -> AssembledCache:
         cfg = lm.config

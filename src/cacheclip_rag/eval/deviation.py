@@ -49,7 +49,7 @@ class DeviationResult:
 def full_cache(engine: CacheClipEngine, ref: Reference) -> AssembledCache:
     """The cache a full prefill of the request writes (every prompt row recomputed in a copy)."""
     layout = ref.layout
-    cache = AssembledCache([k.clone() for k in ref.base_cache.keys], [v.clone() for v in ref.base_cache.values])
+    cache = ref.base_cache.copy()
     rows = torch.unique(torch.cat([layout.uncached_rows(), layout.chunk_rows()]))
     recompute_rows(engine.primary.lm, cache, layout.input_ids, rows, backend=engine.config.attention_backend)
     return cache
