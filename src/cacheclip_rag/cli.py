@@ -251,14 +251,14 @@ def cmd_bench(args) -> int:
 
 
 def _print_versus(args, results: list, rows: list[dict], metric: str, title: str, scale: float = 100,
-                  digits: int = 1) -> list[dict]:
+                  digits: int = 1, default_mode: str = "cacheclip") -> list[dict]:
     """After a bench table: the oracle's footnote, then the paired comparison of the --versus rows
-    (default: the cacheclip rows) with every other on `metric`. Returns the pairs."""
+    (default: the rows of `default_mode`) with every other on `metric`. Returns the pairs."""
     from .eval import needle
 
     if any(r["mode"] == "oracle" for r in rows):
         print("* oracle: analysis only; it selects with the primary's own attention from a full prefill")
-    labels = args.versus or list(dict.fromkeys(r["label"] for r in rows if r["mode"] == "cacheclip"))
+    labels = args.versus or list(dict.fromkeys(r["label"] for r in rows if r["mode"] == default_mode))
     pairs = [p for label in labels for p in needle.versus(results, rows, label, metric=metric)]
     if pairs:
         print(f"\n{title}")
@@ -270,7 +270,6 @@ def _bench_deviation(args) -> int:
     """Reused vs full K/V per layer, how concentrated the deviation is, and the fidelity of
     rows chosen by deviation against rows chosen by attention."""
     from .eval import deviation, fidelity
-    from .eval.needle import label
 
     engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
     deviations, results = deviation.run(engine, args.ratios, variants=args.variants, lengths=args.lengths,
@@ -284,9 +283,9 @@ def _bench_deviation(args) -> int:
     print("\nFidelity to full attention of the rows each criterion picks:")
     rows = fidelity.summarize(results)
     print(fidelity.table(rows))
-    args.versus = args.versus or [label("oracle", r) for r in args.ratios]
     pairs = _print_versus(args, results, rows, "kl", "Paired KL differences on the same samples (negative: closer "
-                          "to full; 95% bootstrap interval; W/L: higher/lower KL):", scale=1, digits=4)
+                          "to full; 95% bootstrap interval; W/L: higher/lower KL):", scale=1, digits=4,
+                          default_mode="oracle")
     if args.json:
         deviation.write_json(deviations, results, rows, args.json, pairs)
     return 0
