@@ -205,12 +205,16 @@ def _nanmean(values: list[float]) -> float:
     return statistics.mean(values) if values else float("nan")
 
 
-def _paired(results: list, row: dict, other: dict, metric: str = "score") -> dict[str, list[float]]:
-    """variant -> differences of `metric` (row's mode minus other's) on the samples both ran.
+def _by_sample(results: list, row: dict, metric: str) -> dict[tuple[str, int], float]:
+    """(variant, seed) -> `metric` of the per-sample records behind a summary row.
     results: any per-sample records with length, variant, seed, mode, ratio and the metric."""
-    mine = {(r.variant, r.seed): getattr(r, metric) for r in results if _key(r) == (row["length"], row["mode"], row["ratio"])}
-    theirs = {(r.variant, r.seed): getattr(r, metric) for r in results
-              if _key(r) == (other["length"], other["mode"], other["ratio"])}
+    key = (row["length"], row["mode"], row["ratio"])
+    return {(r.variant, r.seed): getattr(r, metric) for r in results if _key(r) == key}
+
+
+def _paired(results: list, row: dict, other: dict, metric: str = "score") -> dict[str, list[float]]:
+    """variant -> differences of `metric` (row's mode minus other's) on the samples both ran."""
+    mine, theirs = _by_sample(results, row, metric), _by_sample(results, other, metric)
     diffs: dict[str, list[float]] = {}
     for (variant, seed), s in sorted(mine.items()):
         if (variant, seed) in theirs:
@@ -221,7 +225,7 @@ def _paired(results: list, row: dict, other: dict, metric: str = "score") -> dic
 def _avg_on_samples_of(results: list, other: dict, row: dict) -> float:
     """`other`'s average score on the samples `row` ran (pooled runs may give rows different
     variants or seeds: % of full must compare like with like); nan when they share none."""
-    mine = {(r.variant, r.seed) for r in results if _key(r) == (row["length"], row["mode"], row["ratio"])}
+    mine = _by_sample(results, row, "score")
     theirs = [r for r in results if _key(r) == (other["length"], other["mode"], other["ratio"]) and (r.variant, r.seed) in mine]
     return mean_of_means(by_variants(theirs, "score")) if theirs else float("nan")
 
