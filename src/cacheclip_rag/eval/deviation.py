@@ -132,9 +132,8 @@ def layer_table(results: list[DeviationResult]) -> str:
     lines = [head, "-" * len(head)]
     later = [r for r in results if r.k_later]
     for layer in range(len(results[0].k_first)):
-        cells = [statistics.mean(getattr(r, name)[layer] for r in pool)
-                 for name, pool in (("k_first", results), ("v_first", results), ("k_later", later), ("v_later", later))
-                 if pool]
+        cells = [statistics.mean(getattr(r, name)[layer] for r in pool) if pool else float("nan")
+                 for name, pool in (("k_first", results), ("v_first", results), ("k_later", later), ("v_later", later))]
         lines.append(f"{layer:>5} " + " ".join(f"{c:>8.3f}" for c in cells))
     return "\n".join(lines)
 
