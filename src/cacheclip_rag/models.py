@@ -216,16 +216,17 @@ def weights_fingerprint(model: nn.Module) -> str:
 
 
 def load(name: str, cfg: ModelConfig | None = None) -> LoadedModel:
-    """Load a causal LM and its tokenizer for CPU inference in cfg.dtype."""
+    """Load a causal LM and its tokenizer for CPU inference in cfg.dtype ("auto": see ModelConfig)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = cfg or ModelConfig()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    source = resolve(name, cfg.torch_dtype)
+    dtype = cfg.torch_dtype()
+    source = resolve(name, dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=cfg.torch_dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
     except OSError as err:
         raise ValueError(
             f"cannot load model {name!r}: expected an embedded name {sorted(EMBEDDED)}, a local "
@@ -239,6 +240,7 @@ def load(name: str, cfg: ModelConfig | None = None) -> LoadedModel:
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"model {name!r} has a slow tokenizer; character offsets need a fast tokenizer")
     model.eval()
+    log.info("loaded %s (%s, %s)", name, model_type, str(dtype).removeprefix("torch."))
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, fingerprint=weights_fingerprint(model))
 
 
