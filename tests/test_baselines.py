@@ -25,7 +25,7 @@ def test_ape_places_chunks_in_parallel_and_recomputes_only_text(eng):
     ans = eng.answer(Q, chunk_ids=eng.ids, mode="ape", max_new_tokens=3)
     reuse = eng.answer(Q, chunk_ids=eng.ids, mode="reuse", max_new_tokens=3)
     assert ans.recomputed == reuse.recomputed and ans.effective_fraction == 0.0
-    layout = eng._layout(eng.primary, eng._question_request(Q, eng.ids))
+    layout = eng.prepare(Q, eng.ids).layout
     pos = ape_positions(layout)
     starts = [int(pos[s.start]) for s in layout.chunk_segments()]
     assert starts == [layout.prefix_len] * len(starts)  # every chunk right after the prefix
@@ -68,7 +68,7 @@ def test_cacheblend_ratio_one_is_full_and_ratio_counts(eng):
 
 def test_epic_recomputes_the_first_tokens_of_each_chunk(eng):
     ans = eng.answer(Q, chunk_ids=eng.ids, mode="epic", epic_tokens=3, max_new_tokens=2)
-    layout = eng._layout(eng.primary, eng._question_request(Q, eng.ids))
+    layout = eng.prepare(Q, eng.ids).layout
     expected = set()
     for seg in layout.chunk_segments():
         expected |= set(range(seg.start, seg.start + 3))

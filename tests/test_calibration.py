@@ -57,7 +57,7 @@ def eng(tiny_pair, tmp_path_factory):
 
 def test_oracle_mode_matches_its_definition(eng):
     ans = eng.answer(Q, chunk_ids=eng.ids, mode="oracle", recompute_ratio=0.5, max_new_tokens=1, budget="keep")
-    layout = eng._layout(eng.primary, eng._question_request(Q, eng.ids))
+    layout = eng.prepare(Q, eng.ids).layout
     segs = layout.chunk_segments()
     query_rows = torch.arange(segs[-1].end, layout.num_tokens)
     # The definition, computed independently: a full prefill through transformers with eager
@@ -136,11 +136,10 @@ def test_teacher_forced_fidelity_matches_a_plain_forward_and_reuse(eng):
     from cacheclip_rag.assemble import assemble
     from cacheclip_rag.fidelity import Reference, kl_positions, reference, top1_agreement
 
-    request = eng._question_request(Q, eng.ids)
-    layout = eng._layout(eng.primary, request)
-    kvs = {s.chunk_id: eng._chunk_kv(eng.primary, s.chunk_id) for s in layout.chunk_segments()}
+    prepared = eng.prepare(Q, eng.ids)
+    layout, kvs = prepared.layout, prepared.chunk_kvs()
     answer = torch.tensor([5, 9, 13, 2])
-    cache = assemble(eng.primary.lm, layout, eng._prefix_kv(eng.primary), kvs, capacity=layout.num_tokens + 4)
+    cache = assemble(eng.primary.lm, layout, eng.primary.prefix(), kvs, capacity=layout.num_tokens + 4)
     ref = Reference(layout, cache, answer, torch.empty(0))
     full = ref.forced(eng, layout.chunk_rows())
     with torch.inference_mode():
@@ -152,7 +151,7 @@ def test_teacher_forced_fidelity_matches_a_plain_forward_and_reuse(eng):
     reuse_a = ref.forced(eng, layout.chunk_rows()[:0])
     reuse_b = ref.forced(eng, layout.chunk_rows()[:0])
     torch.testing.assert_close(reuse_a, reuse_b)
-    fresh = assemble(eng.primary.lm, layout, eng._prefix_kv(eng.primary), kvs)
+    fresh = assemble(eng.primary.lm, layout, eng.primary.prefix(), kvs)
     first = recompute_rows(eng.primary.lm, fresh, layout.input_ids, layout.uncached_rows()).logits
     torch.testing.assert_close(reuse_a[0], torch.log_softmax(first, dim=-1), atol=1e-4, rtol=1e-4)
     assert float(kl_positions(full, reuse_a).mean()) > 0
@@ -185,6 +184,6 @@ def test_chunk_start_tokens_are_always_recomputed(tiny_pair, tmp_path):
     eng = CacheClipEngine(*tiny_pair, tmp_path, cfg)
     ids = eng.ingest(CORPUS, progress=False)[:4]
     ans = eng.answer(Q, chunk_ids=ids, recompute_ratio=0.1, max_new_tokens=1)
-    layout = eng._layout(eng.primary, eng._question_request(Q, ids))
+    layout = eng.prepare(Q, ids).layout
     starts = {seg.start + i for seg in layout.chunk_segments() for i in range(3)}
     assert starts <= set(ans.recomputed)

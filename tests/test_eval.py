@@ -8,9 +8,11 @@ import torch
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
 from cacheclip_rag import fidelity as fidelity_lib
-from cacheclip_rag.eval import alignment, deviation, fidelity, html, needle, niah, plots, qa, ttft
+from cacheclip_rag import niah
+from cacheclip_rag.eval import alignment, deviation, fidelity, html, needle, plots, qa, ttft
 from cacheclip_rag.eval.metrics import best_of, exact_match, normalize, rouge_l, token_f1
-from cacheclip_rag.eval.niah import VARIANTS, generate, score
+from cacheclip_rag.niah import VARIANTS, generate, score
+from cacheclip_rag.select import to_chars, top_jaccard
 from cacheclip_rag.eval.stats import bootstrap_interval, mean_of_means
 
 from conftest import CORPUS
@@ -65,11 +67,11 @@ def test_metrics_against_hand_computed_values():
 
 
 def test_character_projection_and_jaccard():
-    chars = alignment.to_chars(torch.tensor([0.5, 0.5]), torch.tensor([[0, 2], [2, 6]]), 6)
+    chars = to_chars(torch.tensor([0.5, 0.5]), torch.tensor([[0, 2], [2, 6]]), 6)
     assert chars.tolist() == [0.25, 0.25, 0.125, 0.125, 0.125, 0.125]
     a = torch.tensor([5.0, 4, 3, 2, 1, 0, 0, 0, 0, 0])
-    assert alignment.top_jaccard(a, a) == 1.0
-    assert alignment.top_jaccard(a, a.flip(0)) == 0.0
+    assert top_jaccard(a, a) == 1.0
+    assert top_jaccard(a, a.flip(0)) == 0.0
     assert alignment.kl(a + 1, a + 1) == pytest.approx(0.0)
 
 

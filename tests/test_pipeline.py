@@ -25,8 +25,7 @@ def eng(tiny_pair, tmp_path_factory):
 
 
 def _layout(eng):
-    request = eng._question_request(Q, eng.ids)
-    return eng._layout(eng.primary, request)
+    return eng.prepare(Q, eng.ids).layout
 
 
 @pytest.mark.parametrize("pipelined", [True, False])
@@ -34,7 +33,7 @@ def test_layer_reader_feeder_equals_plain_assembly(eng, pipelined):
     layout = _layout(eng)
     frame = eng.primary
     plain_kvs = {s.chunk_id: eng.store.get_kv(frame.namespace, s.chunk_id) for s in layout.chunk_segments()}
-    prefix = eng._prefix_kv(frame)
+    prefix = frame.prefix()
     expected = assemble(frame.lm, layout, prefix, plain_kvs)
 
     eng.store.clear_memory()

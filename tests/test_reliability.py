@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
-from cacheclip_rag import engine as engine_mod
+from cacheclip_rag import caches as caches_mod
 from cacheclip_rag import models
 from cacheclip_rag.cli import main as cli_main
 
@@ -62,7 +62,7 @@ def test_missing_cache_file_is_rebuilt(eng):
 
 def test_stale_index_entry_is_skipped(eng):
     victim = eng.ids[0]
-    eng.store._text_path(victim).unlink()
+    eng.store.backend.text_path(victim).unlink()
     hits = eng.retrieve(CORPUS[0], k=len(eng.ids))
     assert victim not in [cid for cid, _ in hits] and hits
 
@@ -70,7 +70,7 @@ def test_stale_index_entry_is_skipped(eng):
 def test_crash_mid_ingest_then_resume_without_duplicates(tiny_pair, tmp_path, monkeypatch):
     cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4))
     eng = CacheClipEngine(*tiny_pair, tmp_path / "s", cfg)
-    real = engine_mod.encode_segment
+    real = caches_mod.encode_segment
     calls = {"n": 0}
 
     def dying(lm, prefix_ids, text):
@@ -79,11 +79,11 @@ def test_crash_mid_ingest_then_resume_without_duplicates(tiny_pair, tmp_path, mo
             raise KeyboardInterrupt("killed mid-ingest")
         return real(lm, prefix_ids, text)
 
-    monkeypatch.setattr(engine_mod, "encode_segment", dying)
+    monkeypatch.setattr(caches_mod, "encode_segment", dying)
     with pytest.raises(KeyboardInterrupt):
         eng.ingest(CORPUS, progress=False)
     (eng.store.root / "kv" / eng.primary.namespace / ".tmp-leftover").write_bytes(b"half a file")
-    monkeypatch.setattr(engine_mod, "encode_segment", real)
+    monkeypatch.setattr(caches_mod, "encode_segment", real)
 
     reopened = CacheClipEngine(*tiny_pair, tmp_path / "s", cfg)  # heals the index on open
     report = reopened.store.verify()
@@ -112,12 +112,12 @@ def test_verify_and_repair_from_the_command_line(eng, tiny_pair, capsys, monkeyp
 
 
 def test_failed_write_raises_and_keeps_the_store(eng, monkeypatch):
-    from cacheclip_rag import store as store_mod
+    from cacheclip_rag.backends import files as files_backend
 
     def disk_full(tensors, path, metadata=None):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(store_mod, "save_file", disk_full)
+    monkeypatch.setattr(files_backend, "save_file", disk_full)
     before = sorted(p.name for p in eng.store.root.rglob("*"))
     with pytest.raises(OSError, match="No space"):
         eng.ingest(["A brand new document that needs caches."], progress=False)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cacheclip_rag import store as store_mod
+from cacheclip_rag.backends import files as files_backend
 from cacheclip_rag.chunking import Chunk
 from cacheclip_rag.store import ChunkKV, KVStore
 
@@ -62,7 +63,7 @@ def test_failed_write_leaves_the_old_file(tmp_path, monkeypatch):
             fh.write(b"partial")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(store_mod, "save_file", broken_save)
+    monkeypatch.setattr(files_backend, "save_file", broken_save)
     with pytest.raises(OSError, match="No space"):
         s.put_kv(NS, "c", _kv(seed=2))
     leftovers = [p.name for p in (tmp_path / "kv" / NS).iterdir()]

@@ -1,7 +1,8 @@
 """cacheclip-rag: RAG that reuses precomputed chunk KV caches and recomputes only what matters."""
 
 from .config import ChunkConfig, EngineConfig, ModelConfig, PromptConfig, SelectConfig, StoreConfig
-from .engine import Answer, AnswerStream, CacheClipEngine
+from .answer import Answer, AnswerStream
+from .engine import CacheClipEngine
 from .models import DEFAULT_AUX, DEFAULT_PRIMARY
 from .request import RequestOptions
 

@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
-from .eval.alignment import to_chars, top_jaccard, top_positions
-from .eval.niah import generate
+from .niah import generate
 from .fidelity import Reference, kl_positions, reference
-from .select import attention_from_rows, keep_budget, map_tokens, mean_over_layers, normalized, score_chunks_by_layer
+from .select import (attention_from_rows, keep_budget, map_tokens, mean_over_layers, normalized, score_chunks_by_layer,
+                     to_chars, top_jaccard, top_positions)
 
 if TYPE_CHECKING:
     from .engine import CacheClipEngine
@@ -201,16 +201,16 @@ def _prepare(engine: CacheClipEngine, variant: str, length: int, seed: int, answ
     segs = layout.chunk_segments()
     reuse_kl = kl_positions(ref.full_logprobs, ref.forced(engine, layout.chunk_rows()[:0]))
 
-    request = engine._question_request(sample.question, ids)
-    aux_kvs = [engine._chunk_kv(aux, seg.chunk_id, seg.text) for seg in segs]
-    query_ids = engine._aux_query_ids(request)
+    prepared = engine.prepare(sample.question, ids)
+    aux_kvs = prepared.aux_kvs()
+    query_ids = prepared.aux_query_ids()
     every = tuple(range(aux.lm.num_layers))
-    aux_scores = {agg: score_chunks_by_layer(aux.lm, engine._prefix_kv(aux), aux_kvs, query_ids, every, *agg)
+    aux_scores = {agg: score_chunks_by_layer(aux.lm, prepared.aux_prefix_kv(), aux_kvs, query_ids, every, *agg)
                   for agg in AGGREGATIONS}
 
     query_rows = torch.arange(segs[-1].end, layout.num_tokens)
     attention = attention_from_rows(primary.lm, layout.input_ids, query_rows, [-1])[-1]
-    pri_offsets = [engine._chunk_kv(primary, seg.chunk_id, seg.text).offsets for seg in segs]
+    pri_offsets = [seg.offsets for seg in segs]
     reference_chars = torch.cat([to_chars(attention[seg.start : seg.end], off, len(seg.text))
                                  for seg, off in zip(segs, pri_offsets)])
     return _Sample(ref, reuse_kl, [kv.offsets for kv in aux_kvs], pri_offsets, [seg.text for seg in segs],

@@ -10,7 +10,9 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from .config import MODES, ChunkConfig, EngineConfig
+from . import plan
+from .config import ChunkConfig, EngineConfig, ModelConfig
+from .hardware import describe as describe_cpu
 from .models import DEFAULT_AUX, DEFAULT_PRIMARY, cache_dir
 
 log = logging.getLogger("cacheclip_rag")
@@ -22,6 +24,7 @@ def _engine(args, chunk: ChunkConfig | None = None):
 
     layers = getattr(args, "score_layers", None)
     cfg = EngineConfig(
+        model=ModelConfig(dtype=getattr(args, "dtype", "auto")),
         chunk=chunk or ChunkConfig(),
         top_k=getattr(args, "k", None) or EngineConfig().top_k,
         select=SelectConfig(score_layers=tuple(layers) if layers else None),
@@ -113,6 +116,7 @@ def cmd_demo(args) -> int:
     engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=16))
     start = time.perf_counter()
     ids = engine.ingest(docs, progress=True)
+    print(f"{describe_cpu()}; models compute in {str(engine.primary.lm.dtype).removeprefix('torch.')}")
     print(f"corpus: {len(docs)} documents -> {len(set(ids))} chunks, ingested in {time.perf_counter() - start:.1f}s (store {args.store})\n")
     for q in questions:
         answer = engine.answer(q["question"], mode="cacheclip", recompute_ratio=args.ratio, max_new_tokens=48)
@@ -131,10 +135,11 @@ def cmd_demo(args) -> int:
 def cmd_models(args) -> int:
     from .models import EMBEDDED, resolve, verify_embedded
 
+    dtype = ModelConfig(dtype=args.dtype).torch_dtype()
     for name, spec in EMBEDDED.items():
         start = time.perf_counter()
         verify_embedded(spec)
-        folder = resolve(name)
+        folder = resolve(name, dtype)
         print(f"{name}: verified and ready in {folder} ({time.perf_counter() - start:.1f}s)")
     return 0
 
@@ -154,7 +159,7 @@ def cmd_calibrate(args) -> int:
           f"by {profile['criterion']}: KL {profile['kl']:.4f}, hard {profile['left_at_hard']:.3f} "
           f"(Jaccard {profile['jaccard']:.3f}, recall {profile['recall']:.3f}).\n"
           f"The last layer ranks {last['rank']} (KL {last['kl']:.4f}); the best by Jaccard alone would be "
-          f"{align['aux_layers']} (KL {align['kl']:.4f}). Saved to {engine.store.profile_path}")
+          f"{align['aux_layers']} (KL {align['kl']:.4f}). Saved with the store {engine.store.location}")
     if args.json:
         Path(args.json).write_text(json.dumps({"profile": profile, "scores": [s.__dict__ for s in scores]}, indent=2))
     return 0
@@ -168,15 +173,17 @@ def _profile_line(profile: dict) -> str:
 def cmd_store(args) -> int:
     from .store import KVStore
 
-    root = Path(args.store)
-    if not (root / "store.json").exists():
+    root = args.store
+    if "://" not in root and not (Path(root) / "store.json").exists():
         raise ValueError(f"{args.store!r} is not a cacheclip store (no store.json)")
     store = KVStore(root)
+    if not store.read_manifest():
+        raise ValueError(f"{args.store!r} is not a cacheclip store (no manifest)")
     if args.action == "stats":
         usage = store.usage()
         print(f"store {root}: {usage['chunks']} chunks, texts {usage['text_bytes'] / 2**20:.1f} MB")
         for ns, info in usage["namespaces"].items():
-            print(f"  {info.get('role', '?'):<8} {info.get('model', '?'):<32} {info['caches']:>6} caches "
+            print(f"  {info.get('role', '?'):<8} {info.get('model', '?'):<32} {info.get('dtype', '?'):<9} {info['caches']:>6} caches "
                   f"{info['bytes'] / 2**20:>9.1f} MB  (namespace {ns[:12]}, fingerprint {info.get('fingerprint', '?')[:12]})")
         print("  memory tier: in-process, per engine (StoreConfig.memory_bytes); hit rates in `bench ttft` output")
         profile = store.read_profile()
@@ -206,10 +213,11 @@ def _mode_list(modes: list[str], ratios: list[float]) -> list[tuple[str, float]]
 
     out = []
     for mode in modes:
-        if mode not in (*MODES, PAPER_MODE):
-            raise ValueError(f"mode must be one of {[*MODES, PAPER_MODE]}, got {mode!r}")
-        if mode in ("full", "reuse", "ape"):
-            out.append((mode, 1.0 if mode == "full" else 0.0))
+        if mode not in (*plan.modes(), PAPER_MODE):
+            raise ValueError(f"mode must be one of {[*plan.modes(), PAPER_MODE]}, got {mode!r}")
+        fixed = plan.get(mode).fixed_ratio if mode != PAPER_MODE else None
+        if fixed is not None:
+            out.append((mode, fixed))
         else:
             out.extend((mode, r) for r in ratios)
     return out
@@ -357,10 +365,18 @@ def _common(p: argparse.ArgumentParser, store_default: str | None = "cacheclip-s
     p.add_argument("--store", default=store_default, help="store directory (caches, texts, index)")
     p.add_argument("--primary", default=DEFAULT_PRIMARY, help="primary model: embedded name, folder or hub id")
     p.add_argument("--aux", default=DEFAULT_AUX, help="auxiliary (selector) model")
+    _dtype_arg(p)
     p.add_argument("-v", "--verbose", action="store_true")
 
 
+def _dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="compute dtype of both models; auto: bf16 where the hardware has it natively, else float32")
+
+
 def parser() -> argparse.ArgumentParser:
+    from .eval import oracle  # noqa: F401  (registers the analysis-only oracle mode)
+
     ap = argparse.ArgumentParser(prog="cacheclip", description="RAG with reused chunk KV caches (CacheClip).")
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -375,7 +391,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ask", help="answer a question from the store")
     _common(p)
     p.add_argument("question")
-    p.add_argument("--mode", choices=MODES, default="cacheclip")
+    p.add_argument("--mode", choices=plan.modes(), default="cacheclip")
     p.add_argument("--ratio", type=float, default=0.2, help="recompute ratio in [0, 1]")
     p.add_argument("-k", type=int, default=None, help="chunks to retrieve")
     p.add_argument("--chunk-ids", default=None, help="comma-separated chunk ids (bypasses retrieval)")
@@ -411,6 +427,7 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_store)
 
     p = sub.add_parser("models", help="verify and convert the embedded default models (once)")
+    _dtype_arg(p)
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_models)
 
@@ -419,7 +436,7 @@ def parser() -> argparse.ArgumentParser:
     _common(p, store_default=str(cache_dir() / "bench-store"))
     p.add_argument("what", choices=["niah", "fidelity", "deviation", "ttft", "alignment"])
     p.add_argument("--lengths", type=int, nargs="+", default=[2048], help="context lengths in primary tokens")
-    p.add_argument("--modes", nargs="+", default=None, help=f"modes to compare (from {list(MODES)}, and cacheclip-paper: last aux layer, paper rule); "
+    p.add_argument("--modes", nargs="+", default=None, help=f"modes to compare (from {list(plan.modes())}, and cacheclip-paper: last aux layer, paper rule); "
                    "full is always run")
     p.add_argument("--ratios", type=float, nargs="+", default=[0.2], help="recompute ratios for ratio modes")
     p.add_argument("--variants", nargs="+", default=None, help="needle variants (default: all eight)")

@@ -12,17 +12,6 @@ from typing import Any
 
 import torch
 
-MODES = ("full", "reuse", "ape", "cacheblend", "epic", "random", "cacheclip", "oracle")
-"""Ways of building the KV cache for a request; all run on the identical token sequence.
-
-full: ordinary prefill. reuse: chunk caches concatenated with one shared prefix. ape: chunks at
-parallel positions with APE's attention temperature and scale. cacheblend: recompute the first
-layer for all chunk tokens, keep those whose K/V deviates most at the check layer. epic: the
-first tokens of every chunk. random: a uniform random selection. cacheclip: aux-guided selection.
-oracle (analysis only): selects by the primary model's own last-layer attention from a full
-prefill, so it costs more than full; it shows what a perfect-alignment selector would choose.
-"""
-
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -173,20 +162,27 @@ class StoreConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """How models are loaded. dtype applies to both models and to the stored caches."""
+    """How models are loaded. dtype applies to both models and to the stored caches.
 
-    dtype: str = "bfloat16"
+    dtype "auto" (the default) computes in bf16 where the hardware does it natively (CUDA, CPUs
+    with AMX or AVX512-BF16) and in float32 elsewhere, decided once at load (`hardware.py`);
+    the chosen dtype is part of each model's fingerprint, so caches never mix across dtypes.
+    """
+
+    dtype: str = "auto"
     threads: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in ("auto", *_DTYPES):
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.threads is not None:
             _check_positive("threads", self.threads)
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+    def torch_dtype(self, flags: frozenset[str] | None = None) -> torch.dtype:
+        """The compute dtype on the CPU ("auto" resolved; flags: CPU flags to use instead of this machine's)."""
+        from .hardware import resolve_dtype
+
+        return resolve_dtype(self.dtype, "cpu", flags)
 
 
 @dataclass(frozen=True)
@@ -260,9 +256,3 @@ def check_budget(budget: str) -> str:
     if budget not in BUDGETS:
         raise ValueError(f"budget must be one of {list(BUDGETS)}, got {budget!r}")
     return budget
-
-
-def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
-    return mode

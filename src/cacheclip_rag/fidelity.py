@@ -60,9 +60,9 @@ def reference(engine: CacheClipEngine, question: str, chunk_ids: list[str], answ
     answer = tokenize(primary.lm, full.text)[0][:answer_tokens]
     if answer.numel() == 0:
         return None
-    layout = engine._layout(primary, engine._question_request(question, chunk_ids))
-    kvs = {seg.chunk_id: engine._chunk_kv(primary, seg.chunk_id, seg.text) for seg in layout.chunk_segments()}
-    base = assemble(primary.lm, layout, engine._prefix_kv(primary), kvs, capacity=layout.num_tokens + answer.numel())
+    prepared = engine.prepare(question, chunk_ids)
+    layout = prepared.layout
+    base = assemble(primary.lm, layout, prepared.prefix_kv(), prepared.chunk_kvs(), capacity=layout.num_tokens + answer.numel())
     ref = Reference(layout, base, answer, torch.empty(0))
     ref.full_logprobs = ref.forced(engine, layout.chunk_rows())
     return ref

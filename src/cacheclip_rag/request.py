@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from .assemble import Layout
-from .config import PromptConfig, SelectConfig, check_budget, check_mode, check_ratio
+from . import plan
+from .config import PromptConfig, SelectConfig, check_budget, check_ratio
 from .generate import DecodeOptions
 
 Piece = tuple[str, "str | None"]
@@ -26,7 +27,7 @@ Piece = tuple[str, "str | None"]
 class RequestOptions:
     """The per-request options every entry point accepts, validated.
 
-    mode: see `cacheclip_rag.config.MODES`. recompute_ratio in [0, 1]. temperature 0 = greedy.
+    mode: a registered selector (`cacheclip_rag.plan.modes()`). recompute_ratio in [0, 1]. temperature 0 = greedy.
     stop: strings that end the text. epic_tokens: epic mode's tokens per chunk (default
     ceil(ratio x chunk length)). seed: sampling and the random mode. budget: "keep" (candidates
     are added in score order until the grouped set reaches the ratio) or "paper" (the top ratio x
@@ -60,7 +61,7 @@ class RequestOptions:
             raise ValueError(f"epic_tokens must be a non-negative integer or None, got {epic!r}")
         if not isinstance(opts.seed, int) or isinstance(opts.seed, bool):
             raise ValueError(f"seed must be an integer, got {opts.seed!r}")
-        return replace(opts, mode=check_mode(opts.mode), recompute_ratio=check_ratio(opts.recompute_ratio),
+        return replace(opts, mode=plan.get(opts.mode).name, recompute_ratio=check_ratio(opts.recompute_ratio),
                        budget=check_budget(opts.budget), score_layers=_layer_list(opts.score_layers))
 
     def decode_options(self) -> DecodeOptions:

@@ -1,17 +1,18 @@
-"""The KV store: chunk texts and per-model chunk caches on disk, with a memory tier in front.
+"""The KV store: chunk texts and per-model chunk caches in a backend, with a memory tier in front.
 
-Layout under the store root::
+What is stored (the bytes live in a `backends.KVBackend`: a folder, memory, or Redis)::
 
-    store.json                         format version and the fingerprints the store was built for
-    texts/<h>.json                     one chunk: id, text, source, span (h = sha256 of the id)
-    kv/<namespace>/<h>.safetensors     one cache: per-layer K/V, token ids, character offsets
+    manifest ("store")   format version and the fingerprints the store was built for
+    texts                one chunk each: id, text, source, span
+    kv / <namespace>     one cache per chunk: per-layer K/V, token ids, character offsets
+    profile              the calibrated selection profile of the model pair
 
 A namespace is a hex digest of (model fingerprint, shared-prefix token ids): a cache is valid
-only for the model and prefix it was computed with. File names are hashes, so no chunk id or
-model name ever becomes a path. Every write goes to a temporary file in the same folder and is
-renamed into place, so a reader sees either the old file or the new one. Each cache file carries
-a sha256 of its tensor bytes; a file that fails to parse or to match its checksum is removed and
-reported missing, and the engine rebuilds it from the chunk's text.
+only for the model and prefix it was computed with. Stored names are hashes, so no chunk id or
+model name ever becomes a path or a server key. Every backend writes atomically. Each cache
+carries a sha256 per tensor; a cache that fails to parse or to match its checksums is removed
+and reported missing, and the engine rebuilds it from the chunk's text. This checking is here,
+once, above every backend.
 """
 
 from __future__ import annotations
@@ -20,24 +21,21 @@ import hashlib
 import json
 import logging
 import os
-import re
-import tempfile
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
+from .backends import KVBackend, Record, StoreUnavailableError, open_backend
+from .backends.files import FileBackend, atomic_write, hashed_name
 from .chunking import Chunk
 from .config import StoreConfig
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-_HEX = re.compile(r"^[0-9a-f]{8,64}$")
 
 
 @dataclass
@@ -107,50 +105,55 @@ class DamagedCacheError(ValueError):
     """A cache file failed to parse or to match its checksums."""
 
 
-def _hashed_name(key: str) -> str:
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:40]
 
-
-def atomic_write(path: Path, write) -> None:
-    """Write through a temporary file in the same folder, fsync, then rename into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def open_store(location: str | os.PathLike, cfg: StoreConfig | None = None) -> KVStore:
+    """A store named by a folder path or a URL (memory://name, redis://host:port/db)."""
+    return KVStore(location, cfg)
 
 
 class KVStore:
-    """Chunk texts and chunk caches on disk, with an LRU memory tier bounded in bytes."""
+    """Chunk texts and chunk caches in a backend, with an LRU memory tier bounded in bytes.
 
-    def __init__(self, root: str | os.PathLike, cfg: StoreConfig | None = None):
-        self.root = Path(root)
+    location: a folder path or a store URL (see `backends.open_backend`), or a backend.
+    """
+
+    def __init__(self, location: str | os.PathLike | KVBackend, cfg: StoreConfig | None = None):
+        if isinstance(location, (str, os.PathLike)):
+            self.backend = open_backend(location)
+        else:
+            self.backend = location
         self.cfg = cfg or StoreConfig()
-        self.root.mkdir(parents=True, exist_ok=True)
         self.stats = StoreStats()
         self._memory: OrderedDict[tuple[str, str], ChunkKV] = OrderedDict()
         self._memory_bytes = 0
         self._lock = threading.RLock()
 
-    # ----- manifest -------------------------------------------------------------------------
+    @property
+    def location(self) -> str:
+        return self.backend.location
 
     @property
-    def manifest_path(self) -> Path:
-        return self.root / "store.json"
+    def root(self) -> Path | None:
+        """The folder of a file store (None for other backends)."""
+        return self.backend.root if isinstance(self.backend, FileBackend) else None
+
+    def kv_path(self, namespace: str, key: str) -> Path:
+        """The file of a cache in a file store."""
+        if not isinstance(self.backend, FileBackend):
+            raise ValueError(f"store {self.location} keeps no cache files")
+        return self.backend.kv_path(namespace, key)
+
+    def index_dir(self) -> Path:
+        """Where the chunk index (FAISS) is kept for this store."""
+        return self.backend.local_dir()
+
+    def close(self) -> None:
+        self.backend.close()
+
+    # ----- manifest -------------------------------------------------------------------------
 
     def read_manifest(self) -> dict:
-        if not self.manifest_path.exists():
-            return {}
-        try:
-            return json.loads(self.manifest_path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"store manifest {self.manifest_path} is unreadable: {err}") from err
+        return self.backend.get_doc("store") or {}
 
     def bind_models(self, fingerprints: dict[str, str]) -> None:
         """Record which models this store serves, or refuse if it was built for others.
@@ -160,19 +163,18 @@ class KVStore:
         manifest = self.read_manifest()
         if manifest.get("format", FORMAT_VERSION) != FORMAT_VERSION:
             raise ValueError(
-                f"store {self.root} has format {manifest.get('format')!r}; this version reads {FORMAT_VERSION}"
+                f"store {self.location} has format {manifest.get('format')!r}; this version reads {FORMAT_VERSION}"
             )
         known = manifest.get("models", {})
         for role, fp in fingerprints.items():
             if role in known and known[role] != fp:
                 raise ValueError(
-                    f"store {self.root} was built for a different {role} model (fingerprint "
+                    f"store {self.location} was built for a different {role} model (fingerprint "
                     f"{known[role]}); the loaded {role} model has fingerprint {fp}. Use another "
-                    f"store_dir or the models it was built with."
+                    f"store or the models it was built with."
                 )
         if known != {**known, **fingerprints} or not manifest:
-            data = {"format": FORMAT_VERSION, "models": {**known, **fingerprints}}
-            atomic_write(self.manifest_path, lambda p: Path(p).write_text(json.dumps(data, indent=2)))
+            self.backend.put_doc("store", {**manifest, "format": FORMAT_VERSION, "models": {**known, **fingerprints}})
 
     def describe_namespace(self, namespace: str, info: dict) -> None:
         """Record which model a namespace's caches belong to (for stats and verify)."""
@@ -181,24 +183,22 @@ class KVStore:
             return
         manifest.setdefault("format", FORMAT_VERSION)
         manifest.setdefault("namespaces", {})[namespace] = info
-        atomic_write(self.manifest_path, lambda p: Path(p).write_text(json.dumps(manifest, indent=2)))
-
-    @property
-    def profile_path(self) -> Path:
-        return self.root / "profile.json"
+        self.backend.put_doc("store", manifest)
 
     def write_profile(self, profile: dict) -> None:
-        """Save a calibrated model-pair profile (see calibrate.py) beside the caches."""
-        atomic_write(self.profile_path, lambda p: Path(p).write_text(json.dumps(profile, indent=2)))
+        """Save a calibrated model-pair profile (see calibrate.py) with the store."""
+        self.backend.put_doc("profile", profile)
 
     def read_profile(self, primary_fp: str | None = None, aux_fp: str | None = None) -> dict | None:
         """The stored profile, or None; with fingerprints, only a profile made for that pair."""
         try:
-            profile = json.loads(self.profile_path.read_text())
-        except FileNotFoundError:
+            profile = self.backend.get_doc("profile")
+        except StoreUnavailableError:
+            raise
+        except ValueError as err:
+            log.warning("profile of store %s is unreadable (%s); ignoring it", self.location, err)
             return None
-        except (OSError, json.JSONDecodeError) as err:
-            log.warning("profile %s is unreadable (%s); ignoring it", self.profile_path, err)
+        if profile is None:
             return None
         if primary_fp is not None and (profile.get("primary") != primary_fp or profile.get("aux") != aux_fp):
             return None
@@ -207,96 +207,85 @@ class KVStore:
     # ----- inspection -----------------------------------------------------------------------
 
     def usage(self) -> dict:
-        """Chunks and bytes on disk per namespace (reads the file system only)."""
-        texts = list((self.root / "texts").glob("*.json"))
-        out = {"chunks": len(texts), "text_bytes": sum(p.stat().st_size for p in texts), "namespaces": {}}
+        """Chunks and stored bytes per namespace."""
+        texts = self.backend.texts()
+        out = {"chunks": len(texts), "text_bytes": sum(len(json.dumps(d)) for _, d in texts if d), "namespaces": {}}
         names = self.read_manifest().get("namespaces", {})
-        for folder in sorted((self.root / "kv").glob("*")):
-            files = list(folder.glob("*.safetensors"))
-            out["namespaces"][folder.name] = {
-                **names.get(folder.name, {}),
-                "caches": len(files),
-                "bytes": sum(p.stat().st_size for p in files),
-            }
+        for ns in self.backend.namespaces():
+            out["namespaces"][ns] = {**names.get(ns, {}), "caches": len(self.backend.list(ns)),
+                                     "bytes": self.backend.nbytes(ns)}
         return out
 
     def verify(self) -> dict:
-        """Check every cache file (parse, names, every checksum) and every chunk text.
+        """Check every cache (parse, names, every checksum) and every chunk text.
 
-        Returns {"checked": n, "damaged": [(namespace, file)], "orphans": [...],
-        "missing": {namespace: [chunk ids without a cache]}, "bad_texts": [files]}.
+        Returns {"checked": n, "damaged": [(namespace, name, why)], "orphans": [...],
+        "missing": {namespace: [chunk ids without a cache]}, "bad_texts": [names]}.
         Nothing is changed; `repair` (on the engine) heals what this finds.
         """
         report = {"checked": 0, "damaged": [], "orphans": [], "missing": {}, "bad_texts": []}
         chunk_ids = set()
-        for path in sorted((self.root / "texts").glob("*.json")):
-            try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-                if path.name != f"{_hashed_name(data['id'])}.json" or not isinstance(data["text"], str):
-                    raise ValueError("name or text does not match")
+        for name, data in self.backend.texts():
+            ok = isinstance(data, dict) and isinstance(data.get("id"), str) and isinstance(data.get("text"), str) \
+                and name == self.backend.text_name(data["id"])
+            if ok:
                 chunk_ids.add(data["id"])
-            except (OSError, ValueError, KeyError, TypeError) as err:
-                report["bad_texts"].append(f"{path.name}: {err}")
-        for folder in sorted((self.root / "kv").glob("*")):
+            else:
+                report["bad_texts"].append(f"{name}: unreadable, or its name or text does not match")
+        for ns in self.backend.namespaces():
             have = set()
-            for path in sorted(folder.glob("*.safetensors")):
+            for name in self.backend.list(ns):
                 report["checked"] += 1
                 try:
-                    with safe_open(str(path), framework="pt") as fh:
-                        key = (fh.metadata() or {}).get("key", "")
-                    reader = LayerReader(path, folder.name, key)
+                    record = self.backend.get_by_name(ns, name)
+                    if record is None:
+                        continue
+                    key = record.meta.get("key", "")
+                    reader = LayerReader(record, ns, key)
                     for i in range(reader.num_layers):
                         reader.layer(i)
                     reader.close()
-                    if path.name != f"{_hashed_name(key)}.safetensors":
-                        raise DamagedCacheError("file name does not match its key")
-                except (SafetensorError, OSError, ValueError, KeyError) as err:
-                    report["damaged"].append((folder.name, path.name, str(err)))
+                    if name != self.backend.name_of(key):
+                        raise DamagedCacheError("stored name does not match its key")
+                except StoreUnavailableError:
+                    raise
+                except (OSError, ValueError, KeyError) as err:
+                    report["damaged"].append((ns, name, str(err)))
                     continue
                 have.add(key)
                 if key not in chunk_ids and not key.startswith("__"):
-                    report["orphans"].append((folder.name, key))
+                    report["orphans"].append((ns, key))
             missing = sorted(chunk_ids - have)
             if missing:
-                report["missing"][folder.name] = missing
-        for tmp in self.root.rglob(".tmp-*"):
-            report["damaged"].append((tmp.parent.name, tmp.name, "leftover temporary file from an interrupted write"))
+                report["missing"][ns] = missing
+        for where, name in self.backend.leftovers():
+            report["damaged"].append((where, name, "leftover temporary file from an interrupted write"))
         return report
+
+    def drop_leftovers(self) -> None:
+        """Remove pieces of interrupted writes."""
+        self.backend.drop_leftovers()
 
     # ----- chunk texts ----------------------------------------------------------------------
 
-    def _text_path(self, chunk_id: str) -> Path:
-        return self.root / "texts" / f"{_hashed_name(chunk_id)}.json"
-
     def put_chunk(self, chunk: Chunk) -> None:
-        path = self._text_path(chunk.id)
-        if path.exists():
+        if self.get_chunk(chunk.id) is not None:
             return
         data = {"id": chunk.id, "text": chunk.text, "source": chunk.source, "start": chunk.start, "end": chunk.end}
-        atomic_write(path, lambda p: Path(p).write_text(json.dumps(data, ensure_ascii=False)))
+        self.backend.put_text(chunk.id, data)
 
     def get_chunk(self, chunk_id: str) -> Chunk | None:
-        path = self._text_path(chunk_id)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            return None
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
-            log.warning("chunk text file %s is unreadable (%s)", path, err)
-            return None
-        if data.get("id") != chunk_id:
-            return None
-        return Chunk(data["id"], data["text"], data["source"], data["start"], data["end"])
+        return _chunk(self.backend.get_text(chunk_id), chunk_id)
 
     def chunks(self) -> list[Chunk]:
-        """Every stored chunk (unreadable text files are skipped with a warning)."""
+        """Every stored chunk (unreadable texts are skipped with a warning)."""
         out = []
-        for path in sorted((self.root / "texts").glob("*.json")):
-            try:
-                data = json.loads(path.read_text())
-                out.append(Chunk(data["id"], data["text"], data["source"], data["start"], data["end"]))
-            except (OSError, json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
-                log.warning("skipping unreadable chunk text file %s", path)
+        for name, data in self.backend.texts():
+            chunk = _chunk(data)
+            if chunk is None:
+                log.warning("skipping unreadable chunk text %s in %s", name, self.location)
+            else:
+                out.append(chunk)
         return out
 
     def chunk_ids(self) -> list[str]:
@@ -304,12 +293,8 @@ class KVStore:
 
     # ----- caches ---------------------------------------------------------------------------
 
-    def kv_path(self, namespace: str, key: str) -> Path:
-        if not _HEX.match(namespace):
-            raise ValueError(f"store namespace must be a hex digest, got {namespace!r}")
-        return self.root / "kv" / namespace / f"{_hashed_name(key)}.safetensors"
-
     def put_kv(self, namespace: str, key: str, kv: ChunkKV) -> None:
+        _check_namespace(namespace)
         tensors = {name: t.detach().cpu().contiguous() for name, t in kv.tensors().items()}
         meta = {
             "format": str(FORMAT_VERSION),
@@ -319,7 +304,7 @@ class KVStore:
             "num_layers": str(len(kv.keys)),
             "sha256": json.dumps(_checksums(tensors), sort_keys=True),
         }
-        atomic_write(self.kv_path(namespace, key), lambda p: save_file(tensors, p, metadata=meta))
+        self.backend.put(namespace, key, tensors, meta)
         with self._lock:
             self.stats.writes += 1
             self._remember((namespace, key), kv)
@@ -330,26 +315,30 @@ class KVStore:
 
     def open_layers(self, namespace: str, key: str) -> ChunkKV | LayerReader | None:
         """For layer-wise loading: the cache from the memory tier (all layers at hand), or a
-        reader that loads and verifies one layer at a time, or None when the file is missing or
+        reader that loads and verifies one layer at a time, or None when it is missing or
         damaged (then removed). Token ids and offsets are read and verified at once."""
         return self._lookup(namespace, key, whole=False)
 
     def _lookup(self, namespace: str, key: str, whole: bool) -> ChunkKV | LayerReader | None:
-        """Memory tier first, then the file: read whole (and remembered) or opened for layers."""
+        """Memory tier first, then the backend: read whole (and remembered) or opened for layers."""
+        _check_namespace(namespace)
         with self._lock:
             hit = self._memory.get((namespace, key))
             if hit is not None:
                 self._memory.move_to_end((namespace, key))
                 self.stats.memory_hits += 1
                 return hit
-        path = self.kv_path(namespace, key)
-        if not path.exists():
-            with self._lock:
-                self.stats.misses += 1
-            return None
         try:
-            found = self._read(path, namespace, key) if whole else LayerReader(path, namespace, key)
-        except (SafetensorError, OSError, ValueError, KeyError) as err:
+            record = self.backend.get(namespace, key)
+            if record is None:
+                with self._lock:
+                    self.stats.misses += 1
+                return None
+            reader = LayerReader(record, namespace, key)
+            found = reader.read_all() if whole else reader
+        except StoreUnavailableError:
+            raise
+        except (OSError, ValueError, KeyError) as err:
             self.discard(namespace, key, err)
             return None
         with self._lock:
@@ -358,20 +347,11 @@ class KVStore:
                 self._remember((namespace, key), found)
         return found
 
-    @staticmethod
-    def _read(path: Path, namespace: str, key: str) -> ChunkKV:
-        reader = LayerReader(path, namespace, key)
-        try:
-            layers = [reader.layer(i) for i in range(reader.num_layers)]
-        finally:
-            reader.close()
-        return ChunkKV([k for k, _ in layers], [v for _, v in layers], reader.token_ids, reader.offsets, reader.start_pos)
-
     def discard(self, namespace: str, key: str, why: object) -> None:
-        """Remove a damaged cache file (it is rebuilt from the chunk text on next use)."""
-        path = self.kv_path(namespace, key)
-        log.warning("cache file %s for %r is damaged (%s); it will be rebuilt", path, key, why)
-        path.unlink(missing_ok=True)
+        """Remove a damaged cache (it is rebuilt from the chunk text on next use)."""
+        log.warning("cache of %r in %s (namespace %s) is damaged (%s); it will be rebuilt",
+                    key, self.location, namespace[:12], why)
+        self.backend.delete(namespace, key)
         with self._lock:
             self._memory.pop((namespace, key), None)
             self.stats.damaged += 1
@@ -405,14 +385,28 @@ class KVStore:
         return self._memory_bytes
 
 
-class LayerReader:
-    """Reads one cache file layer by layer (memory-mapped), verifying each tensor's checksum."""
+def _check_namespace(namespace: str) -> None:
+    if not isinstance(namespace, str) or not 8 <= len(namespace) <= 64 or any(c not in "0123456789abcdef" for c in namespace):
+        raise ValueError(f"store namespace must be a hex digest, got {namespace!r}")
 
-    def __init__(self, path: Path, namespace: str, key: str):
-        self._fh = safe_open(str(path), framework="pt")
-        meta = self._fh.metadata() or {}
+
+def _chunk(data: dict | None, chunk_id: str | None = None) -> Chunk | None:
+    try:
+        if data is None or (chunk_id is not None and data.get("id") != chunk_id):
+            return None
+        return Chunk(data["id"], data["text"], data["source"], data["start"], data["end"])
+    except (KeyError, TypeError, AttributeError):
+        return None
+
+
+class LayerReader:
+    """Reads one stored cache layer by layer, verifying each tensor's checksum."""
+
+    def __init__(self, record: Record, namespace: str, key: str):
+        self._record = record
+        meta = record.meta
         if meta.get("key") != key or meta.get("namespace") != namespace:
-            raise DamagedCacheError(f"file holds {meta.get('key')!r}/{meta.get('namespace')!r}")
+            raise DamagedCacheError(f"record holds {meta.get('key')!r}/{meta.get('namespace')!r}")
         try:
             self._sums = json.loads(meta["sha256"])
             self.num_layers = int(meta["num_layers"])
@@ -420,14 +414,13 @@ class LayerReader:
         except (KeyError, ValueError, TypeError) as err:
             raise DamagedCacheError(f"bad metadata ({err})") from err
         expected = {"token_ids", "offsets"} | {f"{kv}.{i}" for kv in "kv" for i in range(self.num_layers)}
-        if set(self._fh.keys()) != expected or set(self._sums) != expected:
+        if record.names() != expected or set(self._sums) != expected:
             raise DamagedCacheError("tensor names do not match the metadata")
         self.token_ids = self._get("token_ids")
         self.offsets = self._get("offsets")
-        self.path = path
 
     def _get(self, name: str) -> torch.Tensor:
-        tensor = self._fh.get_tensor(name)
+        tensor = self._record.tensor(name)
         if _tensor_sum(name, tensor) != self._sums[name]:
             raise DamagedCacheError(f"checksum mismatch in {name}")
         return tensor
@@ -440,5 +433,16 @@ class LayerReader:
         """K, V of layer i: [kv_heads, T, head_dim] each."""
         return self._get(f"k.{i}"), self._get(f"v.{i}")
 
+    def read_all(self) -> ChunkKV:
+        try:
+            layers = [self.layer(i) for i in range(self.num_layers)]
+        finally:
+            self.close()
+        return ChunkKV([k for k, _ in layers], [v for _, v in layers], self.token_ids, self.offsets, self.start_pos)
+
     def close(self) -> None:
-        self._fh = None
+        self._record.close()
+
+
+__all__ = ["ChunkKV", "DamagedCacheError", "KVStore", "LayerReader", "StoreStats", "atomic_write", "hashed_name",
+           "open_store"]

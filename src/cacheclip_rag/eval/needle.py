@@ -17,8 +17,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .. import plan
 from ..engine import CacheClipEngine
-from .niah import VARIANTS, NeedleSample, generate, score
+from ..niah import VARIANTS, NeedleSample, generate, score
 from .stats import bootstrap_interval, mean_of_means
 
 log = logging.getLogger(__name__)
@@ -132,8 +133,7 @@ def suite(
 
 def _needle_rows(engine: CacheClipEngine, sample, ids: list[str]) -> tuple[set[int], set[int]]:
     """Primary positions of the needle values' tokens, and of all chunk tokens, in the request."""
-    request = engine._question_request(sample.question, ids)
-    layout = engine._layout(engine.primary, request)
+    layout = engine.prepare(sample.question, ids).layout
     needle, chunk = set(), set()
     for seg in layout.chunk_segments():
         chunk.update(range(seg.start, seg.end))
@@ -154,9 +154,10 @@ def _jaccard(a: set, b: set) -> float:
 
 def label(mode: str, ratio: float) -> str:
     """A bench row's name: the mode, with its ratio where it has one; the oracle starred."""
-    if mode == "oracle":
-        return f"oracle@{ratio:g}*"  # analysis only: selects with a full prefill
-    return mode if mode in ("full", "reuse", "ape") else f"{mode}@{ratio:g}"
+    selector = plan.get(mode) if mode in plan.modes() else None
+    if selector is not None and selector.analysis_only:
+        return f"{mode}@{ratio:g}*"  # analysis only: costs more than full attention
+    return mode if selector is not None and selector.fixed_ratio is not None else f"{mode}@{ratio:g}"
 
 
 def _key(r: NeedleResult) -> tuple[int, str, float]:

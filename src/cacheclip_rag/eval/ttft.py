@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..engine import CacheClipEngine
-from .haystack import needle_context
+from ..haystack import needle_context
 
 log = logging.getLogger(__name__)
 

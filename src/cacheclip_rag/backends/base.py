@@ -1,0 +1,88 @@
+"""The protocol every store backend implements.
+
+A backend keeps bytes and nothing else: per (namespace, key) records of named tensors with
+string metadata, chunk texts (small JSON documents keyed by chunk id) and named JSON documents
+(the manifest, the profile). Checksums, the memory tier and
+the meaning of it all live in `cacheclip_rag.store.KVStore`, once, above every backend.
+
+Guarantees each backend gives: `put` is atomic (a reader sees the old record or the new one,
+never a part); a record is read tensor by tensor (layer-wise loading); failures of the medium
+(an unreachable server, a dropped connection) raise `StoreUnavailableError` naming the store
+within a bounded time, never hang.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+
+class StoreUnavailableError(ValueError):
+    """The store's medium failed (server unreachable or gone mid-request); names the store."""
+
+
+class Record(Protocol):
+    """One stored record, opened for reading tensor by tensor."""
+
+    meta: dict[str, str]
+
+    def names(self) -> set[str]: ...
+
+    def tensor(self, name: str) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
+class KVBackend(Protocol):
+    location: str
+    """The path or URL the store was named by (for messages)."""
+
+    # per-(namespace, key) tensors
+    def put(self, namespace: str, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None: ...
+
+    def get(self, namespace: str, key: str) -> Record | None:
+        """The record, or None when absent. A record that cannot be parsed raises ValueError."""
+
+    def delete(self, namespace: str, key: str) -> None: ...
+
+    def list(self, namespace: str) -> list[str]:
+        """The record names (hashed keys) in a namespace; `get_by_name` opens one."""
+
+    def get_by_name(self, namespace: str, name: str) -> Record | None: ...
+
+    def name_of(self, key: str) -> str:
+        """The name a key is stored under (a hash: no key ever becomes a path or a server key)."""
+
+    def namespaces(self) -> list[str]: ...
+
+    def nbytes(self, namespace: str) -> int: ...
+
+    # chunk texts
+    def put_text(self, chunk_id: str, data: dict) -> None: ...
+
+    def get_text(self, chunk_id: str) -> dict | None:
+        """The stored document, or None when absent or unreadable (logged)."""
+
+    def texts(self) -> list[tuple[str, dict | None]]:
+        """Every text as (name, document or None when unreadable)."""
+
+    def text_name(self, chunk_id: str) -> str: ...
+
+    # named documents (the manifest, the profile)
+    def put_doc(self, name: str, data: dict) -> None: ...
+
+    def get_doc(self, name: str) -> dict | None:
+        """The document, None when absent; a ValueError naming the store when unreadable."""
+
+    # housekeeping
+    def leftovers(self) -> list[tuple[str, str]]:
+        """(namespace or folder, name) of pieces of interrupted writes."""
+
+    def drop_leftovers(self) -> None: ...
+
+    def local_dir(self) -> Path:
+        """A local folder for what must be a file (the FAISS index working copy)."""
+
+    def close(self) -> None: ...

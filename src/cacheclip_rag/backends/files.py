@@ -1,0 +1,173 @@
+"""The embedded default: a store in a folder.
+
+    store.json, profile.json           named documents
+    texts/<h>.json                     one chunk text (h = sha256 of the chunk id)
+    kv/<namespace>/<h>.safetensors     one record: named tensors, string metadata
+    index/                             the chunk index (FAISS), next to what it indexes
+
+Every write goes to a temporary file in the same folder, is fsynced and renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+log = logging.getLogger(__name__)
+
+_HEX = re.compile(r"^[0-9a-f]{8,64}$")
+
+
+def hashed_name(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:40]
+
+
+def atomic_write(path: Path, write) -> None:
+    """Write through a temporary file in the same folder, fsync, then rename into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class FileRecord:
+    """A safetensors file, memory-mapped; tensors are read one at a time."""
+
+    def __init__(self, path: Path):
+        try:
+            self._fh = safe_open(str(path), framework="pt")
+            self.meta = dict(self._fh.metadata() or {})
+            self._names = set(self._fh.keys())
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"unreadable record {path}: {err}") from err
+        self.path = path
+
+    def names(self) -> set[str]:
+        return set(self._names)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        try:
+            return self._fh.get_tensor(name)
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"unreadable tensor {name} in {self.path}: {err}") from err
+
+    def close(self) -> None:
+        self._fh = None
+
+
+class FileBackend:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.location = str(self.root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    # ----- records ----------------------------------------------------------------------------
+
+    def kv_path(self, namespace: str, key: str) -> Path:
+        return self._path(namespace, self.name_of(key))
+
+    def _path(self, namespace: str, name: str) -> Path:
+        if not _HEX.match(namespace):
+            raise ValueError(f"store namespace must be a hex digest, got {namespace!r}")
+        return self.root / "kv" / namespace / f"{name}.safetensors"
+
+    def name_of(self, key: str) -> str:
+        return hashed_name(key)
+
+    def put(self, namespace: str, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+        atomic_write(self.kv_path(namespace, key), lambda p: save_file(tensors, p, metadata=meta))
+
+    def get(self, namespace: str, key: str) -> FileRecord | None:
+        return self.get_by_name(namespace, self.name_of(key))
+
+    def get_by_name(self, namespace: str, name: str) -> FileRecord | None:
+        path = self._path(namespace, name)
+        if not path.exists():
+            return None
+        return FileRecord(path)
+
+    def delete(self, namespace: str, key: str) -> None:
+        self.kv_path(namespace, key).unlink(missing_ok=True)
+
+    def list(self, namespace: str) -> list[str]:
+        return sorted(p.stem for p in (self.root / "kv" / namespace).glob("*.safetensors"))
+
+    def namespaces(self) -> list[str]:
+        return sorted(p.name for p in (self.root / "kv").glob("*") if p.is_dir())
+
+    def nbytes(self, namespace: str) -> int:
+        return sum(p.stat().st_size for p in (self.root / "kv" / namespace).glob("*.safetensors"))
+
+    # ----- texts ------------------------------------------------------------------------------
+
+    def text_path(self, chunk_id: str) -> Path:
+        return self.root / "texts" / f"{self.text_name(chunk_id)}.json"
+
+    def text_name(self, chunk_id: str) -> str:
+        return hashed_name(chunk_id)
+
+    def put_text(self, chunk_id: str, data: dict) -> None:
+        atomic_write(self.text_path(chunk_id), lambda p: Path(p).write_text(json.dumps(data, ensure_ascii=False)))
+
+    def get_text(self, chunk_id: str) -> dict | None:
+        return self._read_text(self.text_path(chunk_id), missing_ok=True)
+
+    def texts(self) -> list[tuple[str, dict | None]]:
+        return [(p.stem, self._read_text(p)) for p in sorted((self.root / "texts").glob("*.json"))]
+
+    @staticmethod
+    def _read_text(path: Path, missing_ok: bool = False) -> dict | None:
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            if not missing_ok:
+                log.warning("chunk text file %s vanished", path)
+            return None
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+            log.warning("chunk text file %s is unreadable (%s)", path, err)
+            return None
+
+    # ----- documents ----------------------------------------------------------------------------
+
+    def put_doc(self, name: str, data: dict) -> None:
+        atomic_write(self.root / f"{name}.json", lambda p: Path(p).write_text(json.dumps(data, indent=2)))
+
+    def get_doc(self, name: str) -> dict | None:
+        path = self.root / f"{name}.json"
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"store document {path} is unreadable: {err}") from err
+
+    # ----- housekeeping -------------------------------------------------------------------------
+
+    def leftovers(self) -> list[tuple[str, str]]:
+        return [(p.parent.name, p.name) for p in self.root.rglob(".tmp-*")]
+
+    def drop_leftovers(self) -> None:
+        for tmp in self.root.rglob(".tmp-*"):
+            tmp.unlink(missing_ok=True)
+
+    def local_dir(self) -> Path:
+        return self.root / "index"
+
+    def close(self) -> None:
+        pass

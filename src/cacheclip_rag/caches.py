@@ -1,0 +1,101 @@
+"""One model's chunk caches: its prompt frame, its store namespace, and the get-or-encode rule.
+
+Both the serving path (prepare, the layer feeder, selectors) and ingest/repair read caches
+through a `ChunkCaches`, so "from the store, else encoded from the chunk's text and stored" is
+written once. A cache found damaged is discarded and re-encoded, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .config import PromptConfig
+from .encode import Template, chat_template, encode_prefix, encode_segment, tokenize
+from .models import LoadedModel
+from .store import ChunkKV, KVStore, LayerReader
+
+log = logging.getLogger(__name__)
+
+PREFIX_KEY = "__shared_prefix__"
+"""The store key of a namespace's shared-prefix cache (keys starting "__" are not chunks)."""
+
+
+def namespace_of(lm: LoadedModel, prefix_ids: torch.Tensor) -> str:
+    """The store namespace of a model and shared prefix: caches are valid only for both."""
+    digest = hashlib.sha256(lm.fingerprint.encode())
+    digest.update(prefix_ids.numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+@dataclass
+class ChunkCaches:
+    """A model with its prompt frame (template, shared-prefix ids [P]) and its caches in a store."""
+
+    lm: LoadedModel
+    template: Template
+    prefix_ids: torch.Tensor
+    namespace: str
+    store: KVStore
+    role: str
+
+    @classmethod
+    def open(cls, lm: LoadedModel, store: KVStore, prompt: PromptConfig, role: str) -> ChunkCaches:
+        """Frame `lm` for `prompt`, record its namespace in the store and make sure the shared
+        prefix's cache is there and current."""
+        template = chat_template(lm, prompt)
+        prefix_ids, _ = tokenize(lm, template.prefix, special=True)
+        caches = cls(lm, template, prefix_ids, namespace_of(lm, prefix_ids), store, role)
+        store.describe_namespace(caches.namespace, {"role": role, "model": lm.name, "fingerprint": lm.fingerprint,
+                                                    "dtype": str(lm.dtype).removeprefix("torch.")})
+        prefix = store.get_kv(caches.namespace, PREFIX_KEY)
+        if prefix is None or not torch.equal(prefix.token_ids, prefix_ids):
+            store.put_kv(caches.namespace, PREFIX_KEY, encode_prefix(lm, template.prefix))
+        return caches
+
+    def get(self, chunk_id: str, text: str | None = None) -> ChunkKV:
+        """The cache of a chunk: from the store, or encoded from its text (given, else the stored one)."""
+        kv = self.store.get_kv(self.namespace, chunk_id)
+        return kv if kv is not None else self.encode(chunk_id, text)
+
+    def prefix(self) -> ChunkKV:
+        """The shared prefix's cache (re-encoded if it went missing or was damaged)."""
+        kv = self.store.get_kv(self.namespace, PREFIX_KEY)
+        if kv is None:
+            kv = encode_prefix(self.lm, self.template.prefix)
+            self.store.put_kv(self.namespace, PREFIX_KEY, kv)
+        return kv
+
+    def open_layers(self, chunk_id: str, text: str | None = None) -> ChunkKV | LayerReader:
+        """For layer-wise loading: the cache in memory, a reader that loads one layer at a time,
+        or (missing or damaged) a fresh encode."""
+        source = self.store.open_layers(self.namespace, chunk_id)
+        if source is not None and source.token_ids.numel() > 0:
+            return source
+        return self.get(chunk_id, text)
+
+    def has(self, chunk_id: str) -> bool:
+        return self.store.get_kv(self.namespace, chunk_id) is not None
+
+    def encode(self, chunk_id: str, text: str | None = None) -> ChunkKV:
+        """Prefill the chunk after the shared prefix and store its cache."""
+        if text is None:
+            chunk = self.store.get_chunk(chunk_id)
+            if chunk is None:
+                raise ValueError(f"unknown chunk id {chunk_id!r}: not in the store {self.store.location}")
+            text = chunk.text
+        kv = encode_segment(self.lm, self.prefix_ids, text)
+        self.store.put_kv(self.namespace, chunk_id, kv)
+        return kv
+
+    def rebuild(self, chunk_id: str, why: Exception) -> ChunkKV:
+        """A cache found damaged while loading: drop it and encode it again from the stored text."""
+        self.store.discard(self.namespace, chunk_id, why)
+        return self.encode(chunk_id)
+
+    def remember(self, chunk_id: str, kv: ChunkKV) -> None:
+        """Hand a cache read layer by layer to the store's memory tier."""
+        self.store.remember(self.namespace, chunk_id, kv)

@@ -1,0 +1,111 @@
+"""Stage 3 of a request: carry out a plan on the primary model, up to the first token's logits.
+
+Two paths. A full-prefill plan runs the model's own forward over the whole sequence. Every
+other plan assembles the request's cache from the chunk caches (one prefix copy, keys re-rotated
+to their place; layer by layer, loading layer l + 1 while layer l is recomputed) and recomputes
+the plan's rows plus every plain-text row in place. A selector that uses the aux model plans on
+a worker thread while the primary caches are opened (CacheClip's CPU/GPU split).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import torch
+
+from .assemble import write_prefix
+from .generate import Step, hf_step
+from .pipeline import LayerFeeder
+from .plan import Plan, Selector
+from .prepare import Prepared
+from .recompute import AssembledCache, ApeSpec, recompute_rows
+
+
+@dataclass
+class Executed:
+    """logits: [vocab] for the first new token; step: decodes the following ones; rows: [M] the
+    rows recomputed at the last layer; plan: what the selector chose."""
+
+    logits: torch.Tensor
+    step: Step
+    rows: torch.Tensor
+    plan: Plan
+
+
+def execute(prepared: Prepared, selector: Selector, pool: Executor | None) -> Executed:
+    """Plan (on `pool` when the selector uses the aux model and overlap is on) and build the
+    request's cache; timings go to `prepared.request.timings`."""
+    timings = prepared.request.timings
+    for key in ("selection", "load", "assemble", "recompute"):
+        timings[key] = 0.0
+    pipe = prepared.config.pipeline
+    overlapped = pool is not None and pipe.overlap_selection and selector.wants_aux(prepared)
+    future = pool.submit(selector.plan_for, prepared) if overlapped else None
+    if future is None and not selector.wants_aux(prepared):
+        plan = selector.plan_for(prepared)  # cheap: no model runs
+        if plan.full_prefill:
+            return _full_prefill(prepared, plan)
+    start = time.perf_counter()
+    sources = {seg.chunk_id: _source(prepared, seg) for seg in prepared.layout.chunk_segments()}
+    timings["load"] = time.perf_counter() - start
+    if selector.wants_aux(prepared):
+        t = time.perf_counter()
+        plan = future.result() if future is not None else selector.plan_for(prepared)
+        timings["selection"] = plan.seconds
+        timings["selection_wait"] = time.perf_counter() - t if future is not None else plan.seconds
+        timings["selection_hidden"] = max(0.0, plan.seconds - timings["selection_wait"])
+    return _reuse(prepared, plan, sources, start)
+
+
+def _source(prepared: Prepared, seg):
+    if prepared.config.pipeline.layerwise_loading:
+        return prepared.primary.open_layers(seg.chunk_id, seg.text)
+    return prepared.primary.get(seg.chunk_id, seg.text)
+
+
+def _full_prefill(prepared: Prepared, plan: Plan) -> Executed:
+    lm, layout, timings = prepared.primary.lm, prepared.layout, prepared.request.timings
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = lm.model(input_ids=layout.input_ids[None].to(lm.device), use_cache=True, logits_to_keep=1)
+    timings["recompute"] = time.perf_counter() - t
+    rows = torch.arange(layout.prefix_len, layout.num_tokens)
+    return Executed(out.logits[0, -1].float(), hf_step(lm, out.cache, layout.num_tokens), rows, plan)
+
+
+def _reuse(prepared: Prepared, plan: Plan, sources: dict, start: float) -> Executed:
+    """Assemble layer by layer and recompute the plan's rows and every plain-text row."""
+    primary, layout, request = prepared.primary, prepared.layout, prepared.request
+    timings, config = request.timings, prepared.config
+    t = time.perf_counter()
+    positions = plan.positions if plan.positions is not None else torch.arange(layout.num_tokens)
+    cache = AssembledCache.empty(primary.lm, layout.num_tokens + request.options.max_new_tokens)
+    write_prefix(cache, layout, primary.prefix())
+    feeder = LayerFeeder(primary.lm, layout, sources, positions, cache, primary.rebuild,
+                         pipelined=config.pipeline.layerwise_loading, on_loaded=primary.remember)
+    rows = torch.unique(torch.cat([layout.uncached_rows(), plan.rows]))  # sorted
+    result = recompute_rows(primary.lm, cache, layout.input_ids, rows, positions=positions,
+                            backend=config.attention_backend, ape=plan.ape, blend=plan.blend, layer_ready=feeder.wait)
+    feeder.finish()
+    timings["assemble"] = feeder.busy  # loading + re-rotation per layer, overlapped when pipelined
+    timings["load_wait"] = feeder.waited
+    timings["recompute"] = time.perf_counter() - t - feeder.waited
+    timings["prepare"] = time.perf_counter() - start
+    return Executed(result.logits, own_step(prepared, cache, positions, plan.ape), result.rows, plan)
+
+
+def own_step(prepared: Prepared, cache: AssembledCache, positions: torch.Tensor, ape: ApeSpec | None) -> Step:
+    """Decode through the same layer loop as recompute, into the preallocated cache rows."""
+    lm, layout, backend = prepared.primary.lm, prepared.layout, prepared.config.attention_backend
+    n = layout.num_tokens
+    extra = cache.num_tokens - n
+    ids = torch.cat([layout.input_ids, torch.zeros(extra, dtype=torch.long)])
+    pos = torch.cat([positions, positions[-1] + 1 + torch.arange(extra)])
+
+    def step(token: int, t: int) -> torch.Tensor:
+        ids[n + t] = token
+        return recompute_rows(lm, cache, ids, torch.tensor([n + t]), positions=pos, backend=backend, ape=ape).logits
+
+    return step

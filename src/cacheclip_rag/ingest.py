@@ -1,0 +1,103 @@
+"""Offline: documents into stored chunks, their caches for every model, and the chunk index;
+and `repair`, which heals a store from its chunk texts. Apart from serving: nothing here runs on
+the request path."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Mapping
+
+from tqdm.auto import tqdm
+
+from .caches import ChunkCaches
+from .chunking import Chunk, chunk_id, split_document
+from .config import ChunkConfig
+from .index import ChunkIndex
+from .recognize import ChunkMatcher
+from .store import KVStore
+
+log = logging.getLogger(__name__)
+
+
+class Ingestor:
+    """Writes chunks into a store for a set of models (each a `ChunkCaches`), one ingest at a time."""
+
+    def __init__(self, store: KVStore, index: ChunkIndex, matcher: ChunkMatcher, models: list[ChunkCaches],
+                 chunking: ChunkConfig):
+        self.store, self.index, self.matcher, self.models, self.chunking = store, index, matcher, models, chunking
+        self._lock = threading.Lock()
+
+    def open_corpus(self) -> None:
+        """Load the stored chunk texts into the prompt matcher; index any the index lacks."""
+        chunks = self.store.chunks()
+        for chunk in chunks:
+            self.matcher.add(chunk.id, chunk.text)
+        missing = [(c.id, c.text) for c in chunks if c.id not in self.index]
+        if missing:
+            log.warning("chunk index lacks %d of %d stored chunks; adding them", len(missing), len(chunks))
+            self.index.add(missing)
+
+    def ingest(self, documents: Iterable[str | Mapping], progress: bool = True, split: bool = True) -> list[str]:
+        """Chunk, cache (every model) and index documents; return chunk ids in document order.
+
+        A document is a str or a mapping with "text" and optional "title" / "source". Caches
+        already in the store are not recomputed. split=False takes each document as one chunk,
+        verbatim: that is how a framework's own nodes become reusable chunks.
+        """
+        if isinstance(documents, (str, bytes, Mapping)):
+            raise ValueError("documents must be a list of documents, not a single document")
+        tokenizer = self.models[0].lm.tokenizer
+        chunks: list[Chunk] = []
+        for i, doc in enumerate(documents):
+            text, source = document_text(doc, i)
+            if split:
+                chunks.extend(split_document(text, tokenizer, self.chunking, source))
+            elif text.strip():
+                chunks.append(Chunk(chunk_id(text), text, source, 0, len(text)))
+            else:
+                raise ValueError(f"document {source!r} is empty or whitespace only")
+        if not chunks:
+            raise ValueError("empty corpus: expected at least one non-empty document")
+        with self._lock:
+            unique = list({c.id: c for c in chunks}.values())
+            for chunk in tqdm(unique, desc="ingest", unit="chunk", disable=not progress):
+                self.store.put_chunk(chunk)
+                for caches in self.models:
+                    if not caches.has(chunk.id):
+                        caches.encode(chunk.id, chunk.text)
+                self.matcher.add(chunk.id, chunk.text)
+            self.index.add([(c.id, c.text) for c in unique])
+        return [c.id for c in chunks]
+
+    def repair(self, progress: bool = True) -> dict:
+        """Re-encode every missing or damaged cache from its chunk text, drop leftovers of
+        interrupted writes, re-index chunks the index lacks. Returns counts."""
+        report = self.store.verify()
+        self.store.drop_leftovers()
+        rebuilt = 0
+        chunks = self.store.chunks()
+        with self._lock:
+            for chunk in tqdm(chunks, desc="repair", unit="chunk", disable=not progress):
+                for caches in self.models:
+                    if not caches.has(chunk.id):
+                        caches.encode(chunk.id, chunk.text)
+                        rebuilt += 1
+        self.store.clear_memory()
+        self.open_corpus()
+        return {"checked": report["checked"], "damaged": len(report["damaged"]), "rebuilt": rebuilt, "chunks": len(chunks)}
+
+
+def document_text(doc, i: int) -> tuple[str, str]:
+    """(text, source) of the i-th document: a str, or a mapping with "text" and optional "title"
+    (prepended as a line) and "source"."""
+    if isinstance(doc, str):
+        return doc, f"doc{i}"
+    if isinstance(doc, Mapping):
+        text = doc.get("text")
+        if not isinstance(text, str):
+            raise ValueError(f"document {i} must have a 'text' string, got {type(text).__name__}")
+        title = doc.get("title")
+        source = str(doc.get("source") or title or f"doc{i}")
+        return (f"{title}\n{text}" if isinstance(title, str) and title else text), source
+    raise ValueError(f"document {i} must be a str or a mapping with 'text', got {type(doc).__name__}")

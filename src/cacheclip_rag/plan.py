@@ -1,0 +1,119 @@
+"""Stage 2 of a request: a `Selector` turns a `Prepared` request into a `Plan`.
+
+A plan says which chunk rows the primary recomputes (plain-text rows, the question and
+separators, are always recomputed), and any change to attention the method makes. Every KV
+method is one `Selector` in one registry, keyed by its mode name; the API, the CLI and the
+benches list modes from this registry, so a new method is one file that calls `register`.
+
+Built-in selectors live in `cacheclip_rag.selectors` (registered on import of the package);
+analysis-only ones (the attention oracle) register from `cacheclip_rag.eval`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from .recompute import ApeSpec, BlendSpec
+
+if TYPE_CHECKING:
+    from .prepare import Prepared
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a request recomputes.
+
+    rows: [S] chunk rows (sequence indices) to recompute, besides every plain-text row.
+    full_prefill: run an ordinary prefill of the whole sequence instead (the `full` mode).
+    positions: [N] RoPE position per sequence index, where a method moves tokens (APE); None:
+        the index itself. ape / blend: attention tweaks applied inside the layer loop.
+    score_layers: the aux layers that scored, where an aux model selected.
+    trace: per chunk, what the selector saw and chose (for display: `AnswerStream.trace`).
+    seconds: time spent planning.
+    """
+
+    rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    full_prefill: bool = False
+    positions: torch.Tensor | None = None
+    ape: ApeSpec | None = None
+    blend: BlendSpec | None = None
+    score_layers: tuple[int, ...] | None = None
+    trace: tuple[dict, ...] = ()
+    seconds: float = 0.0
+
+
+class Selector:
+    """One KV method. Subclass, set the class attributes, implement `plan`, then `register()` it.
+
+    name: the mode name users pass. fixed_ratio: the recompute ratio the method always has (full
+    1.0, reuse 0.0), None when the request's ratio applies. uses_aux: the plan runs the aux model;
+    the executor runs it on a worker thread while the primary caches load. analysis_only: needs
+    more than full attention costs (shown starred in tables). row_set: the plan is a set of rows
+    and nothing else, so an analysis can replay it (teacher-forced fidelity).
+    """
+
+    name: ClassVar[str]
+    fixed_ratio: ClassVar[float | None] = None
+    uses_aux: ClassVar[bool] = False
+    analysis_only: ClassVar[bool] = False
+    row_set: ClassVar[bool] = True
+
+    def plan(self, prepared: Prepared) -> Plan:
+        """The rows this method recomputes for the request (shapes: see `Plan`). For a method
+        without a fixed ratio it is called only for 0 < ratio < 1 and a request with chunks."""
+        raise NotImplementedError
+
+    def plan_for(self, prepared: Prepared) -> Plan:
+        """The plan, with the edges every ratio-driven method shares: nothing at ratio 0 (or
+        without chunks), every chunk row at ratio 1 (the oracles: direct reuse, full prefill)."""
+        if self.fixed_ratio is not None:
+            return self.plan(prepared)
+        chunk_rows = prepared.layout.chunk_rows()
+        if chunk_rows.numel() == 0 or prepared.request.ratio <= 0:
+            return Plan()
+        if prepared.request.ratio >= 1:
+            return Plan(rows=chunk_rows)
+        return self.plan(prepared)
+
+    def wants_aux(self, prepared: Prepared) -> bool:
+        """Whether this request's plan needs the aux model (it is skipped at ratio 0 or 1)."""
+        return self.uses_aux and 0 < prepared.request.ratio < 1 and bool(prepared.layout.chunk_segments())
+
+
+_REGISTRY: dict[str, Selector] = {}
+
+
+def register(selector: Selector) -> Selector:
+    """Add a selector under its name (a second registration of one name replaces the first)."""
+    name = getattr(selector, "name", None)
+    if not isinstance(name, str) or not name or not name.replace("-", "").replace("+", "").replace("_", "").isalnum():
+        raise ValueError(f"a selector needs a mode name of letters, digits, '-', '+' or '_', got {name!r}")
+    _REGISTRY[name] = selector
+    return selector
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def modes() -> tuple[str, ...]:
+    """Every registered mode name, built-ins first, in registration order."""
+    _load_builtins()
+    return tuple(_REGISTRY)
+
+
+def get(name: str) -> Selector:
+    """The selector of a mode; a ValueError naming the registered modes for an unknown one."""
+    _load_builtins()
+    selector = _REGISTRY.get(name) if isinstance(name, str) else None
+    if selector is None:
+        raise ValueError(f"mode must be one of {list(_REGISTRY)}, got {name!r}")
+    return selector
+
+
+def _load_builtins() -> None:
+    from . import selectors  # noqa: F401  (registers the built-in selectors on first import)
+

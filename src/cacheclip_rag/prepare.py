@@ -1,0 +1,155 @@
+"""Stage 1 of a request: from a question or a finished prompt to a `Prepared` request.
+
+`Preparer` turns what a caller gives (a question and chunk ids or none, or a prompt that already
+holds chunk texts) into a validated `Request` and the primary model's token layout. The result,
+`Prepared`, is what every later stage reads: selectors plan from it, the executor assembles and
+recomputes from it, and analysis code (calibration, benches) gets the same caches and aux query
+from it that serving uses, through public methods only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .assemble import Layout, build_layout
+from .caches import ChunkCaches
+from .config import EngineConfig, SelectConfig
+from .encode import tokenize
+from .recognize import ChunkMatcher
+from .request import Request, RequestOptions, check_text, prompt_pieces, question_pieces
+from .select import scoring_layers
+from .store import ChunkKV, KVStore
+
+log = logging.getLogger(__name__)
+
+MAX_AUX_QUERY_TOKENS = 256
+"""The aux query is the question's last tokens at most (its attention rows score the chunks)."""
+
+
+@dataclass
+class Prepared:
+    """A validated request with its primary-model layout and access to both models' caches.
+
+    request: per-request state (options, pieces, timings). layout: the primary token sequence
+    [N] with its segments. primary, aux: the two models' caches; baselines: the baseline modes'
+    settings.
+    """
+
+    request: Request
+    layout: Layout
+    primary: ChunkCaches
+    aux: ChunkCaches
+    config: EngineConfig
+
+    @property
+    def chunk_segments(self):
+        return self.layout.chunk_segments()
+
+    def chunk_kvs(self) -> dict[str, ChunkKV]:
+        """chunk id -> the primary's whole cache of each chunk in the request."""
+        return {seg.chunk_id: self.primary.get(seg.chunk_id, seg.text) for seg in self.chunk_segments}
+
+    def prefix_kv(self) -> ChunkKV:
+        return self.primary.prefix()
+
+    def aux_kvs(self) -> list[ChunkKV]:
+        """The aux model's cache of each chunk, in request order."""
+        return [self.aux.get(seg.chunk_id, seg.text) for seg in self.chunk_segments]
+
+    def aux_prefix_kv(self) -> ChunkKV:
+        return self.aux.prefix()
+
+    def aux_query_ids(self) -> torch.Tensor:
+        """[Q] aux tokens of the query rows: the question, then the assistant turn's opening."""
+        lm = self.aux.lm
+        ids = torch.cat([tokenize(lm, self.request.aux_query)[0], tokenize(lm, self.aux.template.suffix, True)[0]])
+        return ids[-MAX_AUX_QUERY_TOKENS:]
+
+
+class Preparer:
+    """Builds `Prepared` requests; holds only long-lived, read-only things (store, matcher, caches).
+
+    retrieve: (question, k) -> [(chunk id, score)], the engine's retrieval. select_config:
+    (score layers or None) -> the resolved selection config a request runs with.
+    """
+
+    def __init__(self, store: KVStore, matcher: ChunkMatcher, primary: ChunkCaches, aux: ChunkCaches,
+                 config: EngineConfig, retrieve: Callable, select_config: Callable[..., SelectConfig]):
+        self.store, self.matcher, self.primary, self.aux, self.config = store, matcher, primary, aux, config
+        self._retrieve, self._select_config = retrieve, select_config
+
+    def question(self, question: str, chunk_ids: list[str] | None = None, *, k: int | None = None,
+                 **options) -> Prepared:
+        """A question over the given chunks (their order kept), or the top-k retrieved."""
+        check_text(question, "question")
+        opts = RequestOptions.parse(**options)
+        if chunk_ids is None:
+            chunk_ids = [cid for cid, _ in self._retrieve(question, k)]
+        chunks = self.chunk_texts(chunk_ids)
+        pieces, aux_query = question_pieces(question, chunks, self.config.prompt)
+        return self._prepared(opts, [cid for cid, _ in chunks], pieces, aux_query)
+
+    def prompt(self, prompt: str, chunk_ids: list[str] | None = None, **options) -> Prepared:
+        """A finished prompt; the stored chunks found in it (only `chunk_ids`, each required, when
+        given) are reused."""
+        check_text(prompt, "prompt")
+        opts = RequestOptions.parse(**options)
+        only = set(self.check_ids(chunk_ids)) if chunk_ids is not None else None
+        found = self.matcher.find(prompt, only)
+        if chunk_ids is not None:
+            missing = [cid for cid in chunk_ids if cid not in {c for _, _, c in found}]
+            if missing:
+                raise ValueError(f"chunk ids {missing} were given but their texts are not in the prompt")
+        pieces, aux_query = prompt_pieces(prompt, found)
+        return self._prepared(opts, [cid for _, _, cid in found], pieces, aux_query)
+
+    def generate(self, prompt: str, chunk_ids: list[str] | None, retrieve: bool, k: int | None,
+                 options: dict) -> Prepared:
+        """`engine.generate`'s rule: chunk texts found in the prompt are reused; ids given without
+        their texts make the prompt a question over them; retrieve=True answers a prompt with no
+        stored chunk from the top-k retrieved."""
+        if chunk_ids is not None and not self.matcher.find(prompt, set(self.check_ids(chunk_ids))):
+            return self.question(prompt, chunk_ids, **options)
+        prepared = self.prompt(prompt, chunk_ids, **options)
+        if not prepared.request.chunk_ids and chunk_ids is None:
+            if retrieve:
+                return self.question(prompt, None, k=k, **options)
+            log.warning("no stored chunk text found in the prompt: nothing is reused (%d prompt chars)", len(prompt))
+        return prepared
+
+    def _prepared(self, opts: RequestOptions, chunk_ids: list[str], pieces, aux_query: str) -> Prepared:
+        if opts.score_layers is not None:
+            scoring_layers(self.aux.lm, opts.score_layers)  # range check against the aux model
+        request = Request.of(opts, self._select_config(opts.score_layers), chunk_ids, pieces, aux_query)
+        return Prepared(request, self.layout(request), self.primary, self.aux, self.config)
+
+    def layout(self, request: Request) -> Layout:
+        """The primary token sequence; a ValueError when prompt + new tokens exceed its context."""
+        lm = self.primary.lm
+        layout = build_layout(self.primary.prefix_ids, request.pieces, lambda text, special: tokenize(lm, text, special),
+                              suffix=self.primary.template.suffix)
+        new = request.options.max_new_tokens
+        if layout.num_tokens + new > lm.max_positions:
+            raise ValueError(f"request needs {layout.num_tokens} prompt tokens + {new} new tokens but {lm.name!r} has "
+                             f"a context of {lm.max_positions} positions; use fewer or shorter chunks")
+        return layout
+
+    def check_ids(self, chunk_ids) -> list[str]:
+        """The ids as a list, each a stored chunk's; a ValueError naming the unknown ones."""
+        return [cid for cid, _ in self.chunk_texts(chunk_ids)]
+
+    def chunk_texts(self, chunk_ids) -> list[tuple[str, str]]:
+        """[(id, text)] in the given order, each text read from the store once."""
+        if isinstance(chunk_ids, str) or not isinstance(chunk_ids, (list, tuple)):
+            raise ValueError(f"chunk_ids must be a list of chunk id strings, got {chunk_ids!r}")
+        if not chunk_ids:
+            raise ValueError("chunk_ids is empty: give at least one chunk id, or None to retrieve")
+        chunks = {cid: self.store.get_chunk(cid) for cid in chunk_ids if isinstance(cid, str)}
+        unknown = [cid for cid in chunk_ids if not isinstance(cid, str) or chunks[cid] is None]
+        if unknown:
+            raise ValueError(f"unknown chunk ids {unknown[:5]}: expected ids returned by ingest()")
+        return [(cid, chunks[cid].text) for cid in chunk_ids]

@@ -1,0 +1,28 @@
+"""`cacheblend`: CacheBlend's selection (arXiv:2405.16444). Every chunk row is recomputed up to
+the check layer; there the rows whose K (or V) deviates most from the cached one are kept, the
+rest stop; the kept rows run through every later layer."""
+
+from __future__ import annotations
+
+import torch
+
+from ..plan import Plan, Selector, register
+from ..recompute import BlendSpec
+
+
+class CacheBlend(Selector):
+    name = "cacheblend"
+    row_set = False
+
+    def plan(self, prepared) -> Plan:
+        layout, ratio, base = prepared.layout, prepared.request.ratio, prepared.config.baselines
+        chunk_rows = layout.chunk_rows()
+        if chunk_rows.numel() == 0 or ratio <= 0:
+            return Plan()
+        candidates = torch.zeros(layout.num_tokens, dtype=torch.bool)
+        candidates[chunk_rows] = True
+        blend = BlendSpec(candidates, ratio, base.cacheblend_check_layer, base.cacheblend_on) if ratio < 1 else None
+        return Plan(rows=chunk_rows, blend=blend)
+
+
+register(CacheBlend())

@@ -1,0 +1,52 @@
+"""`cacheclip`: CacheClip's selection (arXiv:2510.10129). The aux model reuses its own cache of
+each chunk and computes only the query rows; their attention over the chunk's tokens at the
+scoring layers (calibrated per model pair, else the last) ranks the aux tokens; the top ones
+become candidates, sliding-window grouping keeps dense runs, and the kept aux tokens map to
+primary tokens through character offsets. Runs on the aux worker thread, beside the loading of
+the primary caches."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..plan import Plan, Selector, register
+from ..select import map_tokens, select
+
+
+class CacheClip(Selector):
+    name = "cacheclip"
+    uses_aux = True
+
+    def plan(self, prepared) -> Plan:
+        start = time.perf_counter()
+        request, aux = prepared.request, prepared.aux
+        segments = prepared.layout.chunk_segments()
+        aux_kvs = prepared.aux_kvs()
+        query_ids = prepared.aux_query_ids()
+        _check_aux_length(prepared, aux_kvs, query_ids)
+        picks = select(aux.lm, request.select, request.ratio, prepared.aux_prefix_kv(), aux_kvs, query_ids,
+                       budget=request.budget)
+        rows, trace = [], []
+        for seg, aux_kv, pick in zip(segments, aux_kvs, picks):
+            mask = map_tokens(aux_kv.offsets, pick.kept, seg.offsets, len(seg.text))
+            mask[: request.select.chunk_start_tokens] = True
+            rows.append(seg.start + torch.nonzero(mask).flatten())
+            trace.append(dict(
+                chunk_id=seg.chunk_id, text=seg.text, aux_offsets=aux_kv.offsets, aux_scores=pick.scores,
+                aux_candidates=pick.candidates, aux_kept=pick.kept, primary_offsets=seg.offsets, recomputed=mask,
+            ))
+        return Plan(rows=torch.cat(rows), score_layers=request.select.score_layers, trace=tuple(trace),
+                    seconds=time.perf_counter() - start)
+
+
+def _check_aux_length(prepared, aux_kvs, query_ids: torch.Tensor) -> None:
+    aux = prepared.aux
+    needed = int(aux.prefix_ids.numel()) + max(kv.num_tokens for kv in aux_kvs) + int(query_ids.numel())
+    if needed > aux.lm.max_positions:
+        raise ValueError(f"a chunk plus the query needs {needed} positions in the aux model {aux.lm.name!r}, "
+                         f"which has {aux.lm.max_positions}; use a smaller chunk size")
+
+
+register(CacheClip())

@@ -1,0 +1,25 @@
+"""`epic`: EPIC's static selection (arXiv:2410.15332): the first tokens of every chunk, where each
+chunk's own attention sink sits."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..plan import Plan, Selector, register
+
+
+class Epic(Selector):
+    name = "epic"
+
+    def plan(self, prepared) -> Plan:
+        request = prepared.request
+        parts = []
+        for seg in prepared.layout.chunk_segments():
+            n = request.epic_tokens if request.epic_tokens is not None else math.ceil(request.ratio * (seg.end - seg.start))
+            parts.append(torch.arange(seg.start, min(seg.end, seg.start + n)))
+        return Plan(rows=torch.cat(parts) if parts else torch.empty(0, dtype=torch.long))
+
+
+register(Epic())
