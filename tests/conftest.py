@@ -93,3 +93,76 @@ def real_engine(tmp_path_factory):
     engine = CacheClipEngine.from_pretrained(store_dir=tmp_path_factory.mktemp("real-store"))
     engine.ingest(_demo_documents()[0], progress=False)
     return engine
+
+
+# ----- Redis: the server .ci/run starts (CACHECLIP_TEST_REDIS), else a private one -------------
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A redis-server process of the test's own on 127.0.0.1 (stopped by `stop`)."""
+
+    def __init__(self):
+        import shutil
+        import subprocess
+        import time
+
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
+        self.port = _free_port()
+        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        client = redis.Redis(port=self.port, socket_connect_timeout=1)
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                time.sleep(0.05)
+        client.close()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """A Redis server for the tests: CI's (CACHECLIP_TEST_REDIS), else one started here; in CI a
+    missing server fails the tests that need it instead of skipping them."""
+    url = os.environ.get("CACHECLIP_TEST_REDIS")
+    if url:
+        yield url
+        return
+    try:
+        server = RedisServer()
+    except (FileNotFoundError, ImportError) as err:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"no Redis server: {err}")
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def redis_store_url(redis_url):
+    """A fresh, empty store (its own key prefix) in the test Redis; flushed afterwards."""
+    import uuid
+
+    from cacheclip_rag.backends.redis import RedisBackend
+
+    url = f"{redis_url}?prefix=test-{uuid.uuid4().hex[:12]}"
+    yield url
+    backend = RedisBackend(url)
+    backend.flush()
+    backend.close()

@@ -420,7 +420,12 @@ class LayerReader:
         self.offsets = self._get("offsets")
 
     def _get(self, name: str) -> torch.Tensor:
-        tensor = self._record.tensor(name)
+        try:
+            tensor = self._record.tensor(name)
+        except StoreUnavailableError:
+            raise
+        except (OSError, ValueError, KeyError) as err:
+            raise DamagedCacheError(f"unreadable {name} ({err})") from err
         if _tensor_sum(name, tensor) != self._sums[name]:
             raise DamagedCacheError(f"checksum mismatch in {name}")
         return tensor

@@ -91,7 +91,7 @@ class RedisBackend:
         self.max_bytes = int(bound) if bound is not None else None
         self._redis = redis.Redis(host=parts.hostname or "localhost", port=port or 6379, db=int(db_part),
                                   password=parts.password, username=parts.username, ssl=parts.scheme == "rediss",
-                                  socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S, retry_on_timeout=False)
+                                  socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S, retry=None)
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
         self._response_error = redis.exceptions.ResponseError
         self.call(lambda r: r.ping())

@@ -1,0 +1,201 @@
+"""The KVBackend contract, run against every backend: files, memory and Redis.
+
+The same guarantees everywhere: round trip, tensor-by-tensor reads, checksums (a damaged value
+is detected, removed and reported missing, never used), atomic puts (a failed write leaves the
+old record), namespaces kept apart, texts and documents, verify. Then what only a server can do
+wrong: a malformed URL, an unreachable server, a server that goes away mid-request.
+"""
+
+import time
+import uuid
+
+import pytest
+import torch
+
+from cacheclip_rag.backends import StoreUnavailableError, open_backend
+from cacheclip_rag.chunking import Chunk
+from cacheclip_rag.store import KVStore
+
+from test_store import NS, _equal, _kv
+
+OTHER_NS = "cd" * 16
+
+
+@pytest.fixture(params=["files", "memory", "redis"])
+def store(request, tmp_path):
+    if request.param == "files":
+        yield KVStore(tmp_path / "store")
+    elif request.param == "memory":
+        yield KVStore(f"memory://test-{uuid.uuid4().hex}")
+    else:
+        yield KVStore(request.getfixturevalue("redis_store_url"))
+
+
+def _corrupt(store: KVStore, namespace: str, key: str) -> None:
+    """Damage one stored tensor in place, as a disk or a careless writer would."""
+    backend, name = store.backend, store.backend.name_of(key)
+    kind = type(backend).__name__
+    if kind == "FileBackend":
+        path = backend.kv_path(namespace, key)
+        data = bytearray(path.read_bytes())
+        data[-20:-10] = b"\xff" * 10
+        path.write_bytes(bytes(data))
+    elif kind == "MemoryBackend":
+        record = backend.get_by_name(namespace, name)
+        record.tensor("v.2").add_(1)  # the record's own tensor: the stored bytes change
+    else:
+        backend.call(lambda r: r.hset(backend._k("kv", namespace, name), "v.2", b"\x00" * 16))
+
+
+def test_round_trip_layer_by_layer(store):
+    kv = _kv()
+    store.put_kv(NS, "c1", kv)
+    store.clear_memory()
+    _equal(store.get_kv(NS, "c1"), kv)
+    store.clear_memory()
+    reader = store.open_layers(NS, "c1")
+    assert reader.num_layers == 3 and torch.equal(reader.token_ids, kv.token_ids)
+    for i in range(3):
+        k, v = reader.layer(i)
+        assert torch.equal(k, kv.keys[i]) and torch.equal(v, kv.values[i])
+
+
+def test_missing_and_namespaces_apart(store):
+    store.put_kv(NS, "c1", _kv())
+    store.clear_memory()
+    assert store.get_kv(OTHER_NS, "c1") is None and store.get_kv(NS, "nope") is None
+    assert store.backend.list(NS) == [store.backend.name_of("c1")] and store.backend.list(OTHER_NS) == []
+
+
+def test_damage_is_detected_removed_and_reported_missing(store):
+    store.put_kv(NS, "c1", _kv())
+    store.put_kv(NS, "c2", _kv(seed=3))
+    store.clear_memory()
+    _corrupt(store, NS, "c1")
+    report = store.verify()
+    assert [d[1] for d in report["damaged"]] == [store.backend.name_of("c1")]
+    assert store.get_kv(NS, "c1") is None  # detected: removed, never served
+    assert store.stats.damaged == 1 and store.backend.get(NS, "c1") is None
+    _equal(store.get_kv(NS, "c2"), _kv(seed=3))
+    assert store.verify()["damaged"] == []
+
+
+def test_damage_found_while_loading_layers(store):
+    from cacheclip_rag.store import DamagedCacheError
+
+    store.put_kv(NS, "c1", _kv())
+    store.clear_memory()
+    _corrupt(store, NS, "c1")
+    reader = store.open_layers(NS, "c1")
+    assert reader.layer(0) is not None
+    with pytest.raises(DamagedCacheError):
+        reader.layer(2)
+
+
+def test_failed_put_leaves_the_old_record(store, monkeypatch):
+    old = _kv(seed=1)
+    store.put_kv(NS, "c1", old)
+    kind = type(store.backend).__name__
+    if kind == "FileBackend":
+        from cacheclip_rag.backends import files
+
+        def broken(tensors, path, metadata=None):
+            open(path, "wb").write(b"partial")
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(files, "save_file", broken)
+        error = OSError
+    elif kind == "MemoryBackend":
+        def broken(*a, **k):
+            raise MemoryError("out of memory")
+
+        monkeypatch.setattr(torch.Tensor, "clone", broken)
+        error = MemoryError
+    else:
+        import redis
+
+        def dropped(self, *a, **k):  # the connection goes away before EXEC: nothing applied
+            raise redis.exceptions.ConnectionError("connection reset by peer")
+
+        monkeypatch.setattr(redis.client.Pipeline, "execute", dropped)
+        error = StoreUnavailableError
+    with pytest.raises(error):
+        store.put_kv(NS, "c1", _kv(seed=2))
+    monkeypatch.undo()
+    store.clear_memory()
+    _equal(store.get_kv(NS, "c1"), old)
+    assert store.verify()["damaged"] == []
+
+
+def test_texts_documents_and_delete(store):
+    chunk = Chunk("id-1", "Zürich text", "doc0", 0, 11)
+    store.put_chunk(chunk)
+    assert store.get_chunk("id-1") == chunk and store.chunk_ids() == ["id-1"] and store.get_chunk("x") is None
+    store.bind_models({"primary": "p1", "aux": "a1"})
+    with pytest.raises(ValueError, match="different primary model"):
+        store.bind_models({"primary": "p2", "aux": "a1"})
+    store.write_profile({"primary": "p1", "aux": "a1", "aux_layers": [3]})
+    assert store.read_profile("p1", "a1")["aux_layers"] == [3] and store.read_profile("p9", "a1") is None
+    store.put_kv(NS, "id-1", _kv())
+    store.discard(NS, "id-1", "test")
+    assert store.get_kv(NS, "id-1") is None
+    assert store.verify()["missing"] == {} or store.verify()["missing"].get(NS) == ["id-1"]
+
+
+def test_a_store_is_named_by_a_path_or_a_url(tmp_path):
+    assert type(open_backend(tmp_path).__class__) and open_backend(str(tmp_path)).location == str(tmp_path)
+    assert type(open_backend("memory://x")).__name__ == "MemoryBackend"
+    with pytest.raises(ValueError, match="unknown URL scheme 'ftp'"):
+        open_backend("ftp://host/x")
+
+
+@pytest.mark.parametrize("url, match", [
+    ("redis://127.0.0.1:notaport/0", "malformed"),
+    ("redis:///0", "names no host"),
+    ("redis://127.0.0.1:6379/zero", "database must be a number"),
+    ("redis://127.0.0.1:6379/0?max_bytes=lots", "max_bytes"),
+])
+def test_malformed_redis_urls_are_refused(url, match):
+    with pytest.raises(ValueError, match=match):
+        open_backend(url)
+
+
+def test_unreachable_redis_is_a_clear_error_naming_the_url():
+    from conftest import _free_port
+
+    url = f"redis://127.0.0.1:{_free_port()}/0"
+    start = time.monotonic()
+    with pytest.raises(StoreUnavailableError, match=url.replace("/", ".")):
+        KVStore(url)
+    assert time.monotonic() - start < 30  # bounded: the connect timeout, not a hang
+
+
+def test_redis_server_gone_mid_request():
+    """A server that dies between requests: the next call fails fast, naming the URL."""
+    from conftest import RedisServer
+
+    try:
+        server = RedisServer()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    store = KVStore(server.url)
+    store.put_kv(NS, "c1", _kv())
+    store.clear_memory()
+    reader = store.open_layers(NS, "c1")
+    server.stop()
+    start = time.monotonic()
+    with pytest.raises(StoreUnavailableError, match="unreachable or went away"):
+        reader.layer(0)
+    with pytest.raises(StoreUnavailableError, match=str(server.port)):
+        store.put_kv(NS, "c2", _kv())
+    assert time.monotonic() - start < 30
+
+
+def test_redis_size_bound_drops_the_oldest(redis_store_url):
+    kv = _kv()
+    size = sum(t.numel() * t.element_size() for t in kv.tensors().values())
+    store = KVStore(f"{redis_store_url}&max_bytes={int(size * 2.5)}")
+    for i in range(4):
+        store.put_kv(NS, f"c{i}", kv)
+    store.clear_memory()
+    assert [store.get_kv(NS, f"c{i}") is not None for i in range(4)] == [False, False, True, True]

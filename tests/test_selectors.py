@@ -1,0 +1,76 @@
+"""Selectors as objects: one registry, and a new method is one file that appears everywhere."""
+
+import pytest
+import torch
+
+from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig, plan
+from cacheclip_rag.cli import main
+from cacheclip_rag.plan import Plan, Selector
+
+from conftest import CORPUS
+
+
+class EveryOther(Selector):
+    """A toy method: every second chunk token."""
+
+    name = "every-other"
+
+    def plan(self, prepared) -> Plan:
+        return Plan(rows=prepared.layout.chunk_rows()[::2])
+
+
+@pytest.fixture
+def toy():
+    selector = plan.register(EveryOther())
+    yield selector
+    plan.unregister(selector.name)
+
+
+def test_builtin_modes_are_registered():
+    assert {"full", "reuse", "ape", "cacheblend", "epic", "random", "cacheclip"} <= set(plan.modes())
+    with pytest.raises(ValueError, match="mode must be one of"):
+        plan.get("nope")
+    with pytest.raises(ValueError, match="mode name"):
+        plan.register(type("Bad", (Selector,), {"name": "has space"})())
+
+
+def test_a_registered_selector_runs_through_the_api(toy, tiny_pair, tmp_path):
+    cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4))
+    with CacheClipEngine(*tiny_pair, tmp_path, cfg) as engine:
+        ids = engine.ingest(CORPUS, progress=False)[:3]
+        assert "every-other" in engine.modes()
+        ans = engine.answer("What is the code?", chunk_ids=ids, mode="every-other", recompute_ratio=0.5, max_new_tokens=2)
+        layout = engine.prepare("What is the code?", ids).layout
+        chunk_rows = layout.chunk_rows()
+        assert set(ans.recomputed) & set(chunk_rows.tolist()) == set(chunk_rows[::2].tolist())
+        assert ans.mode == "every-other" and 0.45 < ans.effective_fraction < 0.55
+
+
+def test_a_registered_selector_runs_through_bench_niah(toy, tiny_pair, tmp_path, capsys):
+    """Saved as model folders, the tiny pair loads by path like any model; the toy mode is in the
+    CLI's mode list, the bench and its table without any edit elsewhere."""
+    folders = []
+    for i, lm in enumerate(tiny_pair):
+        folder = tmp_path / f"model{i}"
+        lm.model.save_pretrained(folder)
+        lm.tokenizer.save_pretrained(folder)
+        folders.append(str(folder))
+    code = main(["bench", "niah", "--store", str(tmp_path / "store"), "--primary", folders[0], "--aux", folders[1],
+                 "--lengths", "150", "--samples", "1", "--variants", "single_2", "--modes", "reuse", "every-other",
+                 "--ratios", "0.5", "--chunk-tokens", "48", "--max-new-tokens", "2"])
+    printed = capsys.readouterr().out
+    assert code == 0 and "every-other@0.5" in printed and "reuse" in printed
+
+
+def test_prepare_gives_analysis_what_serving_uses(tiny_pair, tmp_path):
+    cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4))
+    with CacheClipEngine(*tiny_pair, tmp_path, cfg) as engine:
+        ids = engine.ingest(CORPUS, progress=False)[:3]
+        prepared = engine.prepare("What is the code?", ids)
+        assert [s.chunk_id for s in prepared.layout.chunk_segments()] == ids
+        assert set(prepared.chunk_kvs()) == set(ids) and len(prepared.aux_kvs()) == 3
+        assert prepared.aux_query_ids().numel() > 0 and prepared.prefix_kv().num_tokens == prepared.layout.prefix_len
+        with pytest.raises(ValueError, match="exactly one of question or prompt"):
+            engine.prepare()
+        streamed = engine.run(engine.prepare("What is the code?", ids, mode="reuse", max_new_tokens=2)).collect()
+        assert torch.equal(torch.tensor(streamed.recomputed), prepared.layout.uncached_rows())
