@@ -224,6 +224,7 @@ def _mode_list(modes: list[str], ratios: list[float]) -> list[tuple[str, float]]
 
 
 def cmd_bench(args) -> int:
+    print(f"{describe_cpu()}; compute dtype {args.dtype}")
     if args.what != "niah" and args.from_json:
         raise ValueError(f"--from applies to `bench niah`, not `bench {args.what}`")
     if args.what not in ("niah", "fidelity", "deviation") and args.versus:

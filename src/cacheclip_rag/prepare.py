@@ -35,8 +35,8 @@ class Prepared:
     """A validated request with its primary-model layout and access to both models' caches.
 
     request: per-request state (options, pieces, timings). layout: the primary token sequence
-    [N] with its segments. primary, aux: the two models' caches; baselines: the baseline modes'
-    settings.
+    [N] with its segments. primary, aux: the two models' caches. config: the engine's settings
+    (baseline modes, pipeline switches, attention backend).
     """
 
     request: Request

@@ -15,13 +15,11 @@ class CacheBlend(Selector):
     row_set = False
 
     def plan(self, prepared) -> Plan:
-        layout, ratio, base = prepared.layout, prepared.request.ratio, prepared.config.baselines
+        layout, base = prepared.layout, prepared.config.baselines
         chunk_rows = layout.chunk_rows()
-        if chunk_rows.numel() == 0 or ratio <= 0:
-            return Plan()
         candidates = torch.zeros(layout.num_tokens, dtype=torch.bool)
         candidates[chunk_rows] = True
-        blend = BlendSpec(candidates, ratio, base.cacheblend_check_layer, base.cacheblend_on) if ratio < 1 else None
+        blend = BlendSpec(candidates, prepared.request.ratio, base.cacheblend_check_layer, base.cacheblend_on)
         return Plan(rows=chunk_rows, blend=blend)
 
 
