@@ -111,6 +111,7 @@ def run(prepared: Prepared, selector: Selector, pool: Executor | None) -> Iterat
     t0 = time.perf_counter()
     executed = execute(prepared, selector, pool)
     request.rows = executed.rows
+    request.full_prefill = executed.plan.full_prefill
     request.trace.extend(executed.plan.trace)
     request.timings["ttft"] = time.perf_counter() - t0
     t = time.perf_counter()
@@ -132,7 +133,7 @@ def finish(prepared: Prepared, selector: Selector, text: str) -> Answer:
     chunk_rows = layout.chunk_rows()
     n_context = int(chunk_rows.numel())
     recomputed_context = int(torch.isin(request.rows, chunk_rows).sum()) if n_context else 0
-    cached = 0 if selector.fixed_ratio == 1.0 else layout.prefix_len + n_context - recomputed_context
+    cached = 0 if request.full_prefill else layout.prefix_len + n_context - recomputed_context
     return Answer(
         text=text.strip(),
         chunk_ids=list(request.chunk_ids),

@@ -51,9 +51,8 @@ class ChunkCaches:
         caches = cls(lm, template, prefix_ids, namespace_of(lm, prefix_ids), store, role)
         store.describe_namespace(caches.namespace, {"role": role, "model": lm.name, "fingerprint": lm.fingerprint,
                                                     "dtype": str(lm.dtype).removeprefix("torch.")})
-        prefix = store.get_kv(caches.namespace, PREFIX_KEY)
-        if prefix is None or not torch.equal(prefix.token_ids, prefix_ids):
-            store.put_kv(caches.namespace, PREFIX_KEY, encode_prefix(lm, template.prefix))
+        if not torch.equal(caches.prefix().token_ids, prefix_ids):  # a prefix cached under other ids
+            caches.store.put_kv(caches.namespace, PREFIX_KEY, encode_prefix(lm, template.prefix))
         return caches
 
     def get(self, chunk_id: str, text: str | None = None) -> ChunkKV:

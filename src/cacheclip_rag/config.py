@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -173,8 +173,8 @@ class ModelConfig:
     threads: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", *_DTYPES):
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.threads is not None:
             _check_positive("threads", self.threads)
 

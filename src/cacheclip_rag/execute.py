@@ -40,17 +40,18 @@ def execute(prepared: Prepared, selector: Selector, pool: Executor | None) -> Ex
     timings = prepared.request.timings
     for key in ("selection", "load", "assemble", "recompute"):
         timings[key] = 0.0
-    pipe = prepared.config.pipeline
-    overlapped = pool is not None and pipe.overlap_selection and selector.wants_aux(prepared)
-    future = pool.submit(selector.plan_for, prepared) if overlapped else None
-    if future is None and not selector.wants_aux(prepared):
+    uses_aux = selector.wants_aux(prepared)
+    future = None
+    if not uses_aux:
         plan = selector.plan_for(prepared)  # cheap: no model runs
         if plan.full_prefill:
             return _full_prefill(prepared, plan)
+    elif pool is not None and prepared.config.pipeline.overlap_selection:
+        future = pool.submit(selector.plan_for, prepared)
     start = time.perf_counter()
     sources = {seg.chunk_id: _source(prepared, seg) for seg in prepared.layout.chunk_segments()}
     timings["load"] = time.perf_counter() - start
-    if selector.wants_aux(prepared):
+    if uses_aux:
         t = time.perf_counter()
         plan = future.result() if future is not None else selector.plan_for(prepared)
         timings["selection"] = plan.seconds

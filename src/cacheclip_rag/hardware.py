@@ -44,9 +44,10 @@ def native_bf16(device: str | torch.device = "cpu", flags: frozenset[str] | None
 def resolve_dtype(name: str, device: str | torch.device = "cpu", flags: frozenset[str] | None = None) -> torch.dtype:
     """The compute dtype for a configured name: "auto" is bf16 where native (see `native_bf16`),
     float32 elsewhere; any other name is taken as given."""
-    named = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    from .config import DTYPES
+
     if name != "auto":
-        return named[name]
+        return DTYPES[name]
     native = native_bf16(device, flags)
     chosen = torch.bfloat16 if native else torch.float32
     log.info("dtype auto on %s: %s (native bf16: %s)", device, str(chosen).removeprefix("torch."), native)

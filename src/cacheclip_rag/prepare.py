@@ -96,30 +96,39 @@ class Preparer:
     def prompt(self, prompt: str, chunk_ids: list[str] | None = None, **options) -> Prepared:
         """A finished prompt; the stored chunks found in it (only `chunk_ids`, each required, when
         given) are reused."""
-        check_text(prompt, "prompt")
-        opts = RequestOptions.parse(**options)
-        only = set(self.check_ids(chunk_ids)) if chunk_ids is not None else None
-        found = self.matcher.find(prompt, only)
-        if chunk_ids is not None:
-            missing = [cid for cid in chunk_ids if cid not in {c for _, _, c in found}]
-            if missing:
-                raise ValueError(f"chunk ids {missing} were given but their texts are not in the prompt")
-        pieces, aux_query = prompt_pieces(prompt, found)
-        return self._prepared(opts, [cid for _, _, cid in found], pieces, aux_query)
+        return self._from_found(prompt, chunk_ids, self._find(prompt, chunk_ids), options)
 
     def generate(self, prompt: str, chunk_ids: list[str] | None, retrieve: bool, k: int | None,
                  options: dict) -> Prepared:
         """`engine.generate`'s rule: chunk texts found in the prompt are reused; ids given without
         their texts make the prompt a question over them; retrieve=True answers a prompt with no
         stored chunk from the top-k retrieved."""
-        if chunk_ids is not None and not self.matcher.find(prompt, set(self.check_ids(chunk_ids))):
+        found = self._find(prompt, chunk_ids)
+        if chunk_ids is not None and not found:
             return self.question(prompt, chunk_ids, **options)
-        prepared = self.prompt(prompt, chunk_ids, **options)
+        prepared = self._from_found(prompt, chunk_ids, found, options)
         if not prepared.request.chunk_ids and chunk_ids is None:
             if retrieve:
                 return self.question(prompt, None, k=k, **options)
             log.warning("no stored chunk text found in the prompt: nothing is reused (%d prompt chars)", len(prompt))
         return prepared
+
+    def _find(self, prompt: str, chunk_ids: list[str] | None) -> list[tuple[int, int, str]]:
+        """[(start, end, chunk id)] of the stored chunk texts in the prompt (only `chunk_ids`'s,
+        when given, each checked to be a stored chunk)."""
+        check_text(prompt, "prompt")
+        return self.matcher.find(prompt, set(self.check_ids(chunk_ids)) if chunk_ids is not None else None)
+
+    def _from_found(self, prompt: str, chunk_ids: list[str] | None, found: list[tuple[int, int, str]],
+                    options: dict) -> Prepared:
+        """The prompt request over the chunks found in it; every given id must have been found."""
+        opts = RequestOptions.parse(**options)
+        if chunk_ids is not None:
+            missing = [cid for cid in chunk_ids if cid not in {c for _, _, c in found}]
+            if missing:
+                raise ValueError(f"chunk ids {missing} were given but their texts are not in the prompt")
+        pieces, aux_query = prompt_pieces(prompt, found)
+        return self._prepared(opts, [cid for _, _, cid in found], pieces, aux_query)
 
     def _prepared(self, opts: RequestOptions, chunk_ids: list[str], pieces, aux_query: str) -> Prepared:
         if opts.score_layers is not None:

@@ -156,6 +156,8 @@ class Request:
     timings: dict[str, float] = field(default_factory=dict)
     layout: Layout | None = None
     rows: torch.Tensor | None = None
+    full_prefill: bool = False
+    """The cache came from an ordinary prefill (nothing was reused)."""
     text: str = ""
     generated: int = 0
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from .backends import KVBackend, Record, StoreUnavailableError, open_backend
+from .backends.base import check_namespace
 from .backends.files import FileBackend, atomic_write, hashed_name
 from .chunking import Chunk
 from .config import StoreConfig
@@ -294,7 +295,7 @@ class KVStore:
     # ----- caches ---------------------------------------------------------------------------
 
     def put_kv(self, namespace: str, key: str, kv: ChunkKV) -> None:
-        _check_namespace(namespace)
+        check_namespace(namespace)
         tensors = {name: t.detach().cpu().contiguous() for name, t in kv.tensors().items()}
         meta = {
             "format": str(FORMAT_VERSION),
@@ -321,7 +322,7 @@ class KVStore:
 
     def _lookup(self, namespace: str, key: str, whole: bool) -> ChunkKV | LayerReader | None:
         """Memory tier first, then the backend: read whole (and remembered) or opened for layers."""
-        _check_namespace(namespace)
+        check_namespace(namespace)
         with self._lock:
             hit = self._memory.get((namespace, key))
             if hit is not None:
@@ -383,11 +384,6 @@ class KVStore:
     @property
     def memory_bytes(self) -> int:
         return self._memory_bytes
-
-
-def _check_namespace(namespace: str) -> None:
-    if not isinstance(namespace, str) or not 8 <= len(namespace) <= 64 or any(c not in "0123456789abcdef" for c in namespace):
-        raise ValueError(f"store namespace must be a hex digest, got {namespace!r}")
 
 
 def _chunk(data: dict | None, chunk_id: str | None = None) -> Chunk | None:

@@ -13,10 +13,21 @@ within a bounded time, never hang.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Protocol
 
 import torch
+
+
+_HEX = re.compile(r"^[0-9a-f]{8,64}$")
+
+
+def check_namespace(namespace: str) -> str:
+    """A namespace is a hex digest (8-64 digits), so it is safe as a folder name and a key part."""
+    if not isinstance(namespace, str) or not _HEX.match(namespace):
+        raise ValueError(f"store namespace must be a hex digest, got {namespace!r}")
+    return namespace
 
 
 class StoreUnavailableError(ValueError):

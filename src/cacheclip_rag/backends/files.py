@@ -14,7 +14,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import tempfile
 from pathlib import Path
 
@@ -22,10 +21,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .base import check_namespace
+
 log = logging.getLogger(__name__)
-
-_HEX = re.compile(r"^[0-9a-f]{8,64}$")
-
 
 def hashed_name(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:40]
@@ -83,9 +81,7 @@ class FileBackend:
         return self._path(namespace, self.name_of(key))
 
     def _path(self, namespace: str, name: str) -> Path:
-        if not _HEX.match(namespace):
-            raise ValueError(f"store namespace must be a hex digest, got {namespace!r}")
-        return self.root / "kv" / namespace / f"{name}.safetensors"
+        return self.root / "kv" / check_namespace(namespace) / f"{name}.safetensors"
 
     def name_of(self, key: str) -> str:
         return hashed_name(key)
