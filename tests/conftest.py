@@ -45,8 +45,16 @@ def tiny_tokenizer():
     return _tokenizer()
 
 
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
+WINDOW = 12
+"""Sliding window of the tiny windowed families: well under a test request's length (~90 tokens)."""
+
+
 def tiny_model(kind: str, tokenizer, seed: int = 0, layers: int = 3):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A tiny random model of one family. qwen2 is the plain Qwen2 shape; qwen3, mistral and
+    gemma3 attend through a WINDOW-token sliding window (on some layers for qwen3 and gemma3,
+    on every layer for mistral); gemma3 also has two RoPE thetas and final logit soft-capping."""
+    import transformers as tf
 
     torch.manual_seed(seed)
     common = dict(
@@ -61,9 +69,22 @@ def tiny_model(kind: str, tokenizer, seed: int = 0, layers: int = 3):
         bos_token_id=tokenizer.eos_token_id,
     )
     if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0))
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common, rope_theta=10000.0))
+    elif kind == "qwen2":
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, rope_theta=1e5))
+    elif kind == "qwen3":
+        cfg = tf.Qwen3Config(**common, head_dim=16, rope_theta=1e6, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+        model = tf.Qwen3ForCausalLM(cfg)
+    elif kind == "mistral":
+        model = tf.MistralForCausalLM(tf.MistralConfig(**common, rope_theta=1e4, sliding_window=WINDOW))
+    elif kind == "gemma3":
+        types = ["sliding_attention" if i % 3 != 2 else "full_attention" for i in range(layers)]
+        rope = {"full_attention": {"rope_type": "default", "rope_theta": 1e6}, "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+        cfg = tf.Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW, layer_types=types,
+                                  rope_parameters=rope, final_logit_softcapping=30.0, pad_token_id=tokenizer.eos_token_id)
+        model = tf.Gemma3ForCausalLM(cfg)
     else:
-        model = Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=1e5))
+        raise ValueError(kind)
     model = model.to(torch.float32).eval()
     # Random init gives near-uniform attention; sharper weights make the oracles meaningful.
     with torch.no_grad():
@@ -73,9 +94,10 @@ def tiny_model(kind: str, tokenizer, seed: int = 0, layers: int = 3):
     return wrap(model, tokenizer, name=f"tiny-{kind}-{seed}")
 
 
-@pytest.fixture(scope="session", params=["llama", "qwen2"])
+@pytest.fixture(scope="session", params=FAMILIES)
 def tiny_lm(request, tiny_tokenizer):
-    return tiny_model(request.param, tiny_tokenizer)
+    """One tiny model per supported family (the correctness oracles run on each)."""
+    return tiny_model(request.param, tiny_tokenizer, layers=4 if request.param == "gemma3" else 3)
 
 
 @pytest.fixture(scope="session")

@@ -33,11 +33,11 @@ def _inputs(b, h, h_kv, m, n, d, dtype, seed):
     return q.to(dtype), k.to(dtype), v.to(dtype), pos
 
 
-def _ref_lse(q, k, pos, scale):
+def _ref_lse(q, k, pos, scale, window=None):
     group = q.shape[1] // k.shape[1]
     kk = k.float().repeat_interleave(group, dim=1)
     logits = torch.matmul(q.float(), kk.transpose(-1, -2)) * scale
-    logits = logits.masked_fill(~causal_position_mask(pos, k.shape[2]), float("-inf"))
+    logits = logits.masked_fill(~causal_position_mask(pos, k.shape[2], window), float("-inf"))
     return torch.logsumexp(logits, dim=-1)
 
 
@@ -48,6 +48,32 @@ def test_fp32_matches_reference(shape):
     ref = sparse_query_attention_ref(q, k, v, pos)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(lse, _ref_lse(q, k, pos, shape[-1] ** -0.5), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window", [1, 7, 64, 300, 1000])
+@pytest.mark.parametrize("shape", [CASES[1], CASES[4], CASES[5]], ids=lambda s: "x".join(map(str, s)))
+def test_sliding_window_matches_reference(shape, window):
+    """Windows smaller than a key block, a block, and larger than the cache (== no window)."""
+    q, k, v, pos = _inputs(*shape, torch.float32, seed=window)
+    out, lse = sparse_query_attention(q, k, v, pos, return_lse=True, window=window)
+    ref = sparse_query_attention_ref(q, k, v, pos, window=window)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, _ref_lse(q, k, pos, shape[-1] ** -0.5, window), atol=2e-5, rtol=2e-5)
+    if window >= shape[4]:
+        torch.testing.assert_close(out, sparse_query_attention_ref(q, k, v, pos), atol=2e-5, rtol=2e-5)
+
+
+def test_window_reference_is_a_band():
+    mask = causal_position_mask(torch.tensor([[0, 3, 5]]), 6, window=2)[0, 0]
+    assert mask.int().tolist() == [[1, 0, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 1, 1]]
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5, True])
+def test_bad_window_is_rejected(window):
+    q, k, v, pos = _inputs(1, 2, 2, 3, 10, 64, torch.float32, seed=1)
+    for fn in (sparse_query_attention, sparse_query_attention_ref):
+        with pytest.raises(ValueError, match="window must be a positive int"):
+            fn(q, k, v, pos, window=window)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -103,14 +129,15 @@ def test_launcher_rejects_bad_input(change, match):
         sparse_query_attention(q, k, v, pos)
 
 
-def test_recompute_through_the_kernel_equals_the_torch_path(tiny_pair):
+def test_recompute_through_the_kernel_equals_the_torch_path(tiny_lm):
+    """Every family, sliding-window layers included, through the kernel and the torch path."""
     from cacheclip_rag.assemble import assemble, build_layout
     from cacheclip_rag.encode import encode_prefix, encode_segment, tokenize
     from cacheclip_rag.recompute import recompute_rows
 
     from conftest import CORPUS
 
-    lm, _ = tiny_pair
+    lm = tiny_lm
     prefix = encode_prefix(lm, "System.\n\n")
     kvs = {f"c{i}": encode_segment(lm, prefix.token_ids, t) for i, t in enumerate(CORPUS[:3])}
     pieces = [(t, f"c{i}") for i, t in enumerate(CORPUS[:3])] + [("\n\nQuestion: code?", None)]

@@ -113,3 +113,24 @@ def test_one_pass_over_many_layers_equals_one_pass_per_layer(tiny_pair):
         alone = score_chunks_by_layer(aux, prefix, chunks, query, layers=(layer,), head_agg="max", row_agg="max")[layer]
         for a, b in zip(alone, both[layer]):
             torch.testing.assert_close(a, b)
+
+
+def test_aux_scores_equal_a_full_prefills_attention_on_every_family(tiny_lm):
+    """The aux pass reuses [prefix + chunk_i] and computes only the query rows: for each chunk,
+    its scores must equal the attention of the query rows in a full prefill of
+    [prefix + chunk_i + query] (sliding windows, RoPE per layer type and norms included)."""
+    from cacheclip_rag.select import attention_from_rows
+
+    prefix = encode_prefix(tiny_lm, "System prompt.\n\n")
+    texts = [CORPUS[1], CORPUS[3] + " " + CORPUS[0]]
+    chunks = [encode_segment(tiny_lm, prefix.token_ids, t) for t in texts]
+    query, _ = tokenize(tiny_lm, "Question: what is the code of the record?")
+    layers = tuple(range(tiny_lm.num_layers))
+    scores = score_chunks_by_layer(tiny_lm, prefix, chunks, query, layers=layers)
+    p, q = prefix.num_tokens, query.numel()
+    for i, chunk in enumerate(chunks):
+        ids = torch.cat([prefix.token_ids, chunk.token_ids, query])
+        rows = torch.arange(ids.numel() - q, ids.numel())
+        ref = attention_from_rows(tiny_lm, ids, rows, list(layers))
+        for layer in layers:
+            torch.testing.assert_close(scores[layer][i], ref[layer][p : p + chunk.num_tokens].float(), atol=2e-5, rtol=1e-4)

@@ -1,10 +1,12 @@
 """Triton forward kernel for sparse-query attention.
 
-    out[b, h, m] = softmax(q[b, h, m] . K[b, h // G, :pos[b, m] + 1]^T * scale) V[b, h // G, ...]
+    out[b, h, m] = softmax(q[b, h, m] . K[b, h // G, lo : pos[b, m] + 1]^T * scale) V[b, h // G, ...]
 
-q holds only the selected rows (any positions, any order); K and V are the whole cache. Each
-program owns BLOCK_M query rows of one (batch, head) and streams key blocks with an online
-softmax, stopping at the largest position in its block: keys past it can be seen by no row.
+with lo = 0, or pos[b, m] - WINDOW + 1 on a sliding-window layer. q holds only the selected rows
+(any positions, any order); K and V are the whole cache. Each program owns BLOCK_M query rows of
+one (batch, head) and streams key blocks with an online softmax, stopping at the largest
+position in its block (keys past it can be seen by no row) and, with a window, starting at the
+block that holds its smallest position's first visible key.
 The launcher sorts rows by position first so each block's largest position is as small as it
 can be, which is where the skipped upper triangle comes from.
 
@@ -20,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import check_window
+
 
 @triton.jit
 def _sparse_query_fwd(
@@ -31,6 +35,7 @@ def _sparse_query_fwd(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     M, N, H, scale,
+    WINDOW: tl.constexpr,  # sliding window in keys, 0 for none (a model has one or two values)
     GROUP: tl.constexpr,  # query heads per kv head (grouped-query attention)
     HEAD_DIM: tl.constexpr,  # tl.arange needs a compile-time power of two; launcher checks it
     BLOCK_M: tl.constexpr,  # query rows per program
@@ -62,9 +67,13 @@ def _sparse_query_fwd(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     hi = tl.minimum(tl.max(pos, axis=0) + 1, N)  # keys past the block's largest position are never seen
+    lo = 0
+    if WINDOW > 0:  # keys before the smallest row's window are never seen either
+        first = tl.min(tl.where(row_ok, pos, N), axis=0) - WINDOW + 1
+        lo = tl.maximum(first, 0) // BLOCK_N * BLOCK_N
     k_base = K + b * stride_kb + h_kv * stride_kh
     v_base = V + b * stride_vb + h_kv * stride_vh
-    for start_n in range(0, hi, BLOCK_N):
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_ok = offs_n < N
         k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd, mask=col_ok[None, :], other=0.0)
@@ -74,6 +83,8 @@ def _sparse_query_fwd(
             v = v.to(tl.float32)
         s = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
         visible = (offs_n[None, :] <= pos[:, None]) & col_ok[None, :]
+        if WINDOW > 0:
+            visible = visible & (pos[:, None] - offs_n[None, :] < WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # Rows that have seen nothing yet keep m = -inf; use 0 there so exp2 gives 0, not NaN.
@@ -106,7 +117,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _launch(q, k, v, q_pos, scale, block_m, block_n):
+def _launch(q, k, v, q_pos, scale, block_m, block_n, window=None):
     """Validate, sort rows by position, run the kernel, unsort. Returns (out, lse)."""
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"expected q [B,H,M,D], k and v [B,H_kv,N,D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -126,6 +137,7 @@ def _launch(q, k, v, q_pos, scale, block_m, block_n):
         raise ValueError("q, k, v and q_pos must be on one device")
     if not q.is_cuda and not _interpreting():
         raise ValueError("the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 for testing on CPU)")
+    check_window(window)
     if m and (int(q_pos.min()) < 0 or int(q_pos.max()) >= n):
         raise ValueError(f"q_pos must lie in [0, {n}), got [{int(q_pos.min())}, {int(q_pos.max())}]")
 
@@ -143,7 +155,7 @@ def _launch(q, k, v, q_pos, scale, block_m, block_n):
         q_sorted, k, v, pos_sorted, out, lse,
         *q_sorted.stride(), *k.stride(), *v.stride(), *pos_sorted.stride(), *out.stride(), *lse.stride(),
         m, n, h, scale,
-        GROUP=h // h_kv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        WINDOW=window or 0, GROUP=h // h_kv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_FP32=q.dtype == torch.float32 or _interpreting(),
     )
     inverse = torch.argsort(order, dim=1)
@@ -162,15 +174,17 @@ def sparse_query_attention(
     return_lse: bool = False,
     block_m: int | None = None,
     block_n: int | None = None,
+    window: int | None = None,
 ):
     """Exact causal-by-position attention for scattered query rows (see the module docstring).
 
-    q: [B, H, M, D]; k, v: [B, H_kv, N, D]; q_pos: [B, M] int positions in [0, N).
+    q: [B, H, M, D]; k, v: [B, H_kv, N, D]; q_pos: [B, M] int positions in [0, N); window: a
+    sliding window (a row sees keys at distance < window), None for full causal attention.
     Returns out [B, H, M, D] (and lse [B, H, M] fp32 with return_lse).
     """
     if block_m is None:
         block_m = 64
     if block_n is None:
         block_n = 256 if _interpreting() else 64  # large blocks keep the interpreter fast
-    out, lse = _launch(q, k, v, q_pos, scale, block_m, block_n)
+    out, lse = _launch(q, k, v, q_pos, scale, block_m, block_n, window)
     return (out, lse) if return_lse else out

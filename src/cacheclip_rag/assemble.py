@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .models import LoadedModel
-from .recompute import AssembledCache, decoder
+from .recompute import AssembledCache
 from .store import ChunkKV
 
 
@@ -135,13 +135,13 @@ def assemble(
     """
     cache = AssembledCache.empty(lm, max(capacity or 0, layout.num_tokens))
     write_prefix(cache, layout, prefix_kv)
-    inv_freq = decoder(lm).rotary_emb.inv_freq
     for seg in layout.chunk_segments():
         kv = chunk_kvs[seg.chunk_id]
         assert torch.equal(kv.token_ids, seg.ids), f"cache of {seg.chunk_id} holds other tokens"
         target = seg.start if positions is None else int(positions[seg.start])
         for layer in range(lm.num_layers):
-            write_segment(cache, layer, seg, kv.keys[layer], kv.values[layer], target - kv.start_pos, inv_freq)
+            delta = target - kv.start_pos
+            write_segment(cache, layer, seg, kv.keys[layer], kv.values[layer], delta, lm.family.inv_freq(layer))
     return cache
 
 
@@ -154,7 +154,10 @@ def write_prefix(cache: AssembledCache, layout: Layout, prefix_kv: ChunkKV) -> N
         cache.values[layer][0, :, :p] = v
 
 
-def write_segment(cache: AssembledCache, layer: int, seg: Segment, k: torch.Tensor, v: torch.Tensor, delta: int, inv_freq) -> None:
-    """One layer of one chunk into its rows, keys moved by `delta` positions."""
+def write_segment(
+    cache: AssembledCache, layer: int, seg: Segment, k: torch.Tensor, v: torch.Tensor, delta: int, inv_freq: torch.Tensor
+) -> None:
+    """One layer of one chunk into its rows, keys moved by `delta` positions (with that layer's
+    RoPE frequencies: `Family.inv_freq(layer)`)."""
     cache.keys[layer][0, :, seg.start : seg.end] = rerotate(k, delta, inv_freq)
     cache.values[layer][0, :, seg.start : seg.end] = v

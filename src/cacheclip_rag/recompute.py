@@ -6,8 +6,10 @@ then each row attends causally, by absolute position, to the whole cache, where 
 at this layer already hold their new K/V. With every non-prefix row selected this is exactly a
 full prefill; with only the uncached rows it is exactly direct reuse.
 
-The decoder layers are driven through their own submodules (norms, projections, MLP), so the
-weights and numerics are transformers' own; only the attention call is ours, behind `attend`.
+The decoder layers are driven through their own submodules by the model's family adapter
+(`cacheclip_rag.families`: norms, RoPE per layer type, projections, MLP), so the weights and
+numerics are transformers' own; only the attention call is ours, behind `attend`, with each
+layer's sliding window (if any) applied by index distance.
 """
 
 from __future__ import annotations
@@ -19,9 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-from cacheclip_kernels import sparse_query_attention, sparse_query_attention_ref
+from cacheclip_kernels import causal_position_mask, sparse_query_attention, sparse_query_attention_ref
 
 from .models import LoadedModel
 
@@ -46,9 +46,7 @@ class AssembledCache:
 
     @classmethod
     def empty(cls, lm: LoadedModel, n_tokens: int) -> AssembledCache:
-        cfg = lm.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = (1, cfg.num_key_value_heads, n_tokens, head_dim)
+        shape = (1, lm.config.num_key_value_heads, n_tokens, lm.family.head_dim)
         keys = [torch.zeros(shape, dtype=lm.dtype, device=lm.device) for _ in range(lm.num_layers)]
         values = [torch.zeros(shape, dtype=lm.dtype, device=lm.device) for _ in range(lm.num_layers)]
         return cls(keys, values)
@@ -59,49 +57,22 @@ def decoder(lm: LoadedModel) -> nn.Module:
     return lm.model.model
 
 
-def rope(lm: LoadedModel, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, M, head_dim] for positions [B, M], exactly as the model's own forward."""
-    return decoder(lm).rotary_emb(like, positions)
-
-
-def layer_qkv(
-    layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Project hidden rows h [B, M, hidden] to rotated q [B, H, M, D] and k, v [B, H_kv, M, D]."""
-    attn = layer.self_attn
-    x = layer.input_layernorm(h)
-    b, m, _ = x.shape
-    shape = (b, m, -1, attn.head_dim)
-    q = attn.q_proj(x).view(shape)
-    k = attn.k_proj(x).view(shape)
-    v = attn.v_proj(x).view(shape).transpose(1, 2)
-    if hasattr(attn, "q_norm"):  # Qwen3-style per-head norms, applied before RoPE
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    return q, k, v
-
-
-def layer_finish(layer: nn.Module, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-    """Output projection, residual and MLP block. attn_out [B, H, M, D] -> new h [B, M, hidden]."""
-    b, _, m, _ = attn_out.shape
-    h = h + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, m, -1))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
-
-
 BACKENDS = ("auto", "torch", "triton")
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float, backend: str = "auto"
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float, backend: str = "auto",
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Sparse-query attention: each row sees keys at positions <= its own. Shapes as the kernel's.
+    """Sparse-query attention: each row sees keys at positions <= its own (and, with a window,
+    > its own - window). Shapes as the kernel's.
 
     backend "auto" runs the Triton kernel on CUDA tensors and the torch reference elsewhere;
     "torch" and "triton" force one (triton on CPU works only under TRITON_INTERPRET=1).
     """
     if backend == "triton" or (backend == "auto" and q.is_cuda):
-        return sparse_query_attention(q, k, v, q_pos, scale=scale)
-    return sparse_query_attention_ref(q, k, v, q_pos, scale=scale)
+        return sparse_query_attention(q, k, v, q_pos, scale=scale, window=window)
+    return sparse_query_attention_ref(q, k, v, q_pos, scale=scale, window=window)
 
 
 @dataclass(frozen=True)
@@ -141,12 +112,12 @@ class RecomputeResult:
     tail_logits: torch.Tensor | None = None
 
 
-def attend_ape(q, k, v, q_idx, scale: float, ape: ApeSpec) -> torch.Tensor:
+def attend_ape(q, k, v, q_idx, scale: float, ape: ApeSpec, window: int | None = None) -> torch.Tensor:
     """Causal-by-index attention where context keys have logits / T and weight x S (torch path)."""
     n = k.shape[2]
     ctx = ape.context[:n].to(k.device)
     k = torch.where(ctx[None, None, :, None], k / ape.temperature, k)
-    visible = torch.arange(n, device=k.device)[None, :] <= q_idx[0][:, None]  # [M, N]
+    visible = causal_position_mask(q_idx, n, window)[0, 0]  # [M, N]
     bias = torch.where(ctx[None, :], torch.tensor(math.log(ape.scale)), torch.tensor(0.0))
     bias = torch.where(visible, bias, torch.tensor(float("-inf"))).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1])
@@ -192,26 +163,27 @@ def recompute_rows(
     assert rows.numel() > 0, "nothing to recompute"
     last_row = int(rows[-1])
     assert last_row < cache.num_tokens and input_ids.numel() > last_row
-    base = decoder(lm)
+    fam = lm.family
     rows = rows.to(lm.device)
     rope_pos = (rows if positions is None else positions.to(lm.device)[rows])[None]  # [1, M]
-    h = base.embed_tokens(input_ids.to(lm.device)[rows])[None]  # [1, M, hidden]
-    cos, sin = rope(lm, h, rope_pos)
-    for layer_idx, layer in enumerate(base.layers):
+    h = fam.embed(input_ids.to(lm.device)[rows])[None]  # [1, M, hidden]
+    rope = fam.rope(h, rope_pos)
+    for layer in range(len(fam.layers)):
         if layer_ready is not None:
-            layer_ready(layer_idx)
-        keys, values = cache.keys[layer_idx], cache.values[layer_idx]
-        q, k, v = layer_qkv(layer, h, cos, sin)
-        if blend is not None and layer_idx == blend.check_layer:
+            layer_ready(layer)
+        keys, values = cache.keys[layer], cache.values[layer]
+        q, k, v = fam.qkv(layer, h, rope)
+        if blend is not None and layer == blend.check_layer:
             keep = _blend_keep(blend, rows, k, v, keys[:, :, rows], values[:, :, rows])
             rows, h, q, k, v = rows[keep], h[:, keep], q[:, :, keep], k[:, :, keep], v[:, :, keep]
-            cos, sin = cos[:, keep], sin[:, keep]
+            rope = {t: (cos[:, keep], sin[:, keep]) for t, (cos, sin) in rope.items()}
         keys[:, :, rows] = k
         values[:, :, rows] = v
+        scale, window = fam.scaling(layer), fam.window(layer)
         if ape is not None:
-            out = attend_ape(q, keys, values, rows[None], layer.self_attn.scaling, ape)
+            out = attend_ape(q, keys, values, rows[None], scale, ape, window)
         else:
-            out = attend(q, keys, values, rows[None], layer.self_attn.scaling, backend)
-        h = layer_finish(layer, h, out)
-    logits = lm.model.lm_head(base.norm(h[:, -tail:]))[0].float()  # [tail, vocab]
+            out = attend(q, keys, values, rows[None], scale, backend, window)
+        h = fam.finish(layer, h, out)
+    logits = fam.logits(h[:, -tail:])[0].float()  # [tail, vocab]
     return RecomputeResult(logits[-1], rows.cpu(), logits if tail > 1 else None)

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from .config import SelectConfig
 from .models import LoadedModel
-from .recompute import decoder, layer_finish, layer_qkv, rope
+from cacheclip_kernels import causal_position_mask
+
 from .store import ChunkKV
 
 
@@ -59,7 +60,7 @@ def score_chunks_by_layer(
     wanted = scoring_layers(aux, layers)
     stop = wanted[-1]
     collected: dict[int, list[torch.Tensor]] = {}
-    base = decoder(aux)
+    fam = aux.family
     b = len(chunk_kvs)
     p, q_len = prefix_kv.num_tokens, int(query_ids.numel())
     lens = torch.tensor([kv.num_tokens for kv in chunk_kvs])
@@ -74,23 +75,29 @@ def score_chunks_by_layer(
     )
     query_cols = cols[None, None, :] - (p + l_max)
     visible = visible | ((query_cols >= 0) & (query_cols <= q_idx[None, :, None]))  # [B, Q, n_keys]
-    mask = visible[:, None].to(dev)  # [B, 1, Q, n_keys]
-    positions = (p + lens[:, None] + q_idx[None, :]).to(dev)  # [B, Q]
+    positions = p + lens[:, None] + q_idx[None, :]  # [B, Q]
+    key_pos = torch.where(query_cols[0] >= 0, p + lens[:, None] + query_cols[0], cols[None, :])  # [B, n_keys]
+    masks: dict[int | None, torch.Tensor] = {}  # one per sliding window in the model
 
-    h = base.embed_tokens(query_ids.to(dev))[None].expand(b, -1, -1)
-    cos, sin = rope(aux, h, positions)
-    for layer_idx, layer in enumerate(base.layers):
-        q, k, v = layer_qkv(layer, h, cos, sin)
-        keys = _batched(prefix_kv.keys[layer_idx], [kv.keys[layer_idx] for kv in chunk_kvs], l_max, k)
-        if layer_idx in wanted:
-            collected[layer_idx] = _query_to_chunk(q, keys, mask, layer.self_attn.scaling, p, lens, head_agg, row_agg)
-        if layer_idx == stop:
+    def mask(window: int | None) -> torch.Tensor:  # [B, 1, Q, n_keys]
+        if window not in masks:
+            near = True if window is None else positions[:, :, None] - key_pos[:, None, :] < window
+            masks[window] = (visible & near)[:, None].to(dev)
+        return masks[window]
+
+    h = fam.embed(query_ids.to(dev))[None].expand(b, -1, -1)
+    rope = fam.rope(h, positions.to(dev))
+    for layer in range(stop + 1):
+        q, k, v = fam.qkv(layer, h, rope)
+        keys = _batched(prefix_kv.keys[layer], [kv.keys[layer] for kv in chunk_kvs], l_max, k)
+        seen, scale = mask(fam.window(layer)), fam.scaling(layer)
+        if layer in wanted:
+            collected[layer] = _query_to_chunk(q, keys, seen, scale, p, lens, head_agg, row_agg)
+        if layer == stop:
             return collected
-        values = _batched(prefix_kv.values[layer_idx], [kv.values[layer_idx] for kv in chunk_kvs], l_max, v)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, scale=layer.self_attn.scaling, enable_gqa=q.shape[1] != keys.shape[1]
-        )
-        h = layer_finish(layer, h, out)
+        values = _batched(prefix_kv.values[layer], [kv.values[layer] for kv in chunk_kvs], l_max, v)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=seen, scale=scale, enable_gqa=q.shape[1] != keys.shape[1])
+        h = fam.finish(layer, h, out)
     raise AssertionError("scoring layer not reached")
 
 
@@ -250,7 +257,7 @@ def pick(scores: list[torch.Tensor], ratio: float, cfg: SelectConfig, budget: st
 def attention_from_rows(lm: LoadedModel, input_ids: torch.Tensor, rows: torch.Tensor, layers: list[int]) -> dict[int, torch.Tensor]:
     """Full prefill of input_ids [N]; at each layer, the attention of `rows` over all N keys,
     averaged over heads and rows: {layer: [N]}. Used by the oracle mode and by calibration."""
-    base = decoder(lm)
+    fam = lm.family
     wanted = sorted({layer % lm.num_layers for layer in layers})
     captured: dict[int, torch.Tensor] = {}
 
@@ -261,23 +268,22 @@ def attention_from_rows(lm: LoadedModel, input_ids: torch.Tensor, rows: torch.Te
 
         return capture
 
-    handles = [base.layers[i].register_forward_pre_hook(hook(i), with_kwargs=True) for i in wanted]
+    handles = [fam.layers[i].register_forward_pre_hook(hook(i), with_kwargs=True) for i in wanted]
     try:
-        out = base(input_ids=input_ids[None].to(lm.device), use_cache=True)
+        out = fam.prefill(input_ids)
     finally:
         for handle in handles:
             handle.remove()
     n = input_ids.numel()
-    visible = torch.arange(n)[None, :] <= rows[:, None]  # [R, N]
     result = {}
     for i in wanted:
         h = captured[i]
-        cos, sin = rope(lm, h, rows[None].to(lm.device))
-        q, _, _ = layer_qkv(base.layers[i], h, cos, sin)
+        q, _, _ = fam.qkv(i, h, fam.rope(h, rows[None].to(lm.device)))
         keys = out.cache.layers[i].keys
         keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
-        logits = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * base.layers[i].self_attn.scaling
-        logits = logits.masked_fill(~visible.to(logits.device)[None, None], float("-inf"))
+        logits = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * fam.scaling(i)
+        visible = causal_position_mask(rows[None], n, fam.window(i)).to(logits.device)  # [1, 1, R, N]
+        logits = logits.masked_fill(~visible, float("-inf"))
         result[i] = logits.softmax(dim=-1)[0].mean(dim=(0, 1)).cpu()  # [N]
     return {layer: result[layer % lm.num_layers] for layer in layers}
 
