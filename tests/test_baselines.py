@@ -46,6 +46,26 @@ def test_ape_attention_with_neutral_settings_is_plain_attention():
     assert not torch.allclose(sharper, neutral)
 
 
+@pytest.mark.parametrize("temperature, scale", [(0.9, 0.9), (0.5, 1.2), (1.0, 0.7)])
+def test_ape_attention_is_the_reference_codes_two_group_merge(temperature, scale):
+    """APE's reference code attends to the contexts C and to the rest A (prefix, query) in two
+    calls, A with softmax scale / T, and merges the outputs by softmax([S*T*lse_A, lse_C]).
+    Computed here that way, for one decode-step row (where its causal flags are exact)."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(1, 4, 1, 16, generator=g), torch.randn(1, 2, 12, 16, generator=g), torch.randn(1, 2, 12, 16, generator=g)
+    ctx = torch.zeros(12, dtype=torch.bool)
+    ctx[3:9] = True  # prefix 0..2, contexts 3..8, query 9..11
+    got = attend_ape(q, k, v, torch.tensor([[11]]), 0.25, ApeSpec(ctx, temperature, scale))
+
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    s = (q @ kk.transpose(-1, -2)) * 0.25  # [1, 4, 1, 12]
+    s_a, s_c = s[..., ~ctx] / temperature, s[..., ctx]
+    out_a, out_c = s_a.softmax(-1) @ vv[:, :, ~ctx], s_c.softmax(-1) @ vv[:, :, ctx]
+    lse = torch.stack([scale * temperature * s_a.logsumexp(-1), s_c.logsumexp(-1)], dim=-1).softmax(-1)  # [1, 4, 1, 2]
+    want = lse[..., :1] * out_a + lse[..., 1:] * out_c
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_cacheblend_keeps_the_largest_deviations():
     rows = torch.arange(3, 9)  # 6 rows; 3..7 candidates, 8 is the question
     cand = torch.zeros(10, dtype=torch.bool)

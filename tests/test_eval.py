@@ -257,8 +257,9 @@ def test_needle_bench_reports_overlap_with_the_oracle(eng):
     results = needle.run(eng, [("cacheclip", 0.5), ("oracle", 0.5), (needle.PAPER_MODE, 0.5)], variants=["single_2"],
                          lengths=[150], samples=1, max_new_tokens=2, budget="keep")
     by_mode = {r.mode: r for r in results}
-    # The paper's configuration beside the engine's: the paper rule recomputes less than asked.
-    assert by_mode[needle.PAPER_MODE].effective_fraction < by_mode["cacheclip"].effective_fraction
+    # The paper's configuration beside the engine's: the paper rule never recomputes more than
+    # asked (grouping only drops candidates; on a tiny random model it may drop none).
+    assert by_mode[needle.PAPER_MODE].effective_fraction <= by_mode["cacheclip"].effective_fraction
     assert abs(by_mode["cacheclip"].effective_fraction - 0.5) <= 8 / by_mode["cacheclip"].prompt_tokens + 0.05
     assert by_mode["oracle"].oracle_overlap == 1.0
     assert 0.0 <= by_mode["cacheclip"].oracle_overlap <= 1.0

@@ -67,3 +67,58 @@ def test_answer_in_one_chunk_with_cacheclip(pair, tmp_path):
     assert 0 < answer.effective_fraction < 0.5
     assert answer.cached_tokens > answer.prompt_tokens / 2
     assert answer.timings["ttft"] > 0
+
+
+# ----- Gemma 3 270M: the second family (sliding-window layers, two RoPE thetas, sandwich norms) ----
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    from cacheclip_rag.models import GEMMA3
+
+    return load(GEMMA3)
+
+
+def test_gemma3_full_recompute_reproduces_its_prefill_past_the_window(gemma):
+    """The oracle on the real model, on a request longer than its 512-token sliding window."""
+    from transformers import DynamicCache
+
+    from cacheclip_rag.assemble import assemble, build_layout
+    from cacheclip_rag.encode import encode_prefix, encode_segment
+    from cacheclip_rag.recompute import recompute_rows
+
+    docs, _ = _demo_documents()
+    texts = [d["text"] for d in docs]
+    prefix = encode_prefix(gemma, "<bos>Answer from the context.\n\n")
+    kvs = {f"c{i}": encode_segment(gemma, prefix.token_ids, t) for i, t in enumerate(texts)}
+    pieces = [(t, f"c{i}") for i, t in enumerate(texts)] + [("\nQuestion: what is the access code?\nAnswer:", None)]
+    layout = build_layout(prefix.token_ids, pieces, lambda s, special: tokenize(gemma, s, special))
+    assert layout.num_tokens > 1.5 * gemma.config.sliding_window  # early keys fall out of the local layers
+    cache = assemble(gemma, layout, prefix, kvs)
+    logits = recompute_rows(gemma, cache, layout.input_ids, torch.arange(layout.prefix_len, layout.num_tokens)).logits
+    with torch.inference_mode():
+        ref = gemma.model(input_ids=layout.input_ids[None], cache=DynamicCache(), use_cache=True).logits[0, -1].float()
+    assert int(logits.argmax()) == int(ref.argmax())
+    torch.testing.assert_close(logits, ref, atol=2e-2 * float(ref.abs().max()), rtol=0)
+
+
+def test_gemma3_as_primary_and_as_aux(gemma, pair, tmp_path):
+    """Gemma answers over its own chunk caches (full and cacheclip with the default aux), and
+    selects for the default primary as aux."""
+    primary, aux = pair
+    docs, _ = _demo_documents()
+    question = "What is the access code of the Harbor Lab records vault?"
+    config = EngineConfig(chunk=ChunkConfig(chunk_tokens=256))
+
+    as_primary = CacheClipEngine(gemma, aux, tmp_path / "g-primary", config)
+    as_primary.ingest(docs[:5], progress=False)
+    full = as_primary.answer(question, mode="full", max_new_tokens=16)
+    clip = as_primary.answer(question, mode="cacheclip", recompute_ratio=0.2, max_new_tokens=16)
+    assert "4721" in full.text
+    assert clip.cached_tokens > 0 and 0 < clip.effective_fraction < 0.5
+
+    as_aux = CacheClipEngine(primary, gemma, tmp_path / "g-aux", config)
+    as_aux.ingest(docs[:5], progress=False)
+    answer = as_aux.answer(question, mode="cacheclip", recompute_ratio=0.2, max_new_tokens=32)
+    assert "4721-9930" in answer.text
+    assert 0 < answer.effective_fraction < 0.5

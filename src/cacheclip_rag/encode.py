@@ -27,8 +27,15 @@ class Template:
 
 
 def chat_template(lm: LoadedModel, prompt: PromptConfig) -> Template:
-    """Split the model's chat template at the user content; plain text when it has none."""
+    """Split the model's chat template at the user content; a plain completion frame (system
+    prompt, content, "Answer:") for a base model that has none.
+
+    A model whose tokenizer starts every text with a BOS token (Llama, Gemma) gets it at the
+    head of the prefix when the template does not write it: segments are tokenized without
+    special tokens, so this is the one place it can go (Gemma degrades badly without it).
+    """
     tok = lm.tokenizer
+    template = Template(prompt.system_prompt + "\n\n", "\nAnswer:")
     if getattr(tok, "chat_template", None):
         messages = [
             {"role": "system", "content": prompt.system_prompt},
@@ -36,9 +43,11 @@ def chat_template(lm: LoadedModel, prompt: PromptConfig) -> Template:
         ]
         rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         if rendered.count(_PLACEHOLDER) == 1:
-            before, after = rendered.split(_PLACEHOLDER)
-            return Template(before, after)
-    return Template(prompt.system_prompt + "\n\n", "\n")
+            template = Template(*rendered.split(_PLACEHOLDER))
+    bos = tok.bos_token
+    if bos and tok("x").input_ids[:1] == [tok.bos_token_id] and not template.prefix.startswith(bos):
+        template = Template(bos + template.prefix, template.suffix)
+    return template
 
 
 def tokenize(lm: LoadedModel, text: str, special: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

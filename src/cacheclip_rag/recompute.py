@@ -14,7 +14,6 @@ layer's sliding window (if any) applied by index distance.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -77,9 +76,11 @@ def attend(
 
 @dataclass(frozen=True)
 class ApeSpec:
-    """APE's calibration: context keys get logits / temperature and weight x scale.
+    """APE's query-phase calibration (see `attend_ape`).
 
-    context: [N] bool, True for chunk tokens (the parallel-encoded context).
+    context: [N] bool, True for chunk tokens (the parallel-encoded contexts); everything else
+    (shared prefix, plain text, the query, generated tokens) is the other group.
+    temperature T and scale S act on that other group, as in APE's reference code.
     """
 
     context: torch.Tensor
@@ -113,14 +114,28 @@ class RecomputeResult:
 
 
 def attend_ape(q, k, v, q_idx, scale: float, ape: ApeSpec, window: int | None = None) -> torch.Tensor:
-    """Causal-by-index attention where context keys have logits / T and weight x S (torch path)."""
+    """APE's attention for the rows computed after the parallel contexts (torch path).
+
+    As APE's reference code computes it (`prefill_query`: two attention calls merged through
+    their log-sum-exps), keys fall in two groups: C, the parallel contexts, attended as usual;
+    and A, every other visible key (shared prefix, plain text, the query so far), whose logits
+    are divided by T and whose log-sum-exp is multiplied by S * T before the merge. In one
+    softmax that is, per row, logit s/T + (S*T - 1) * lse_A(s/T) for a key in A and s for a key
+    in C. T = S = 1 is ordinary attention. Causal by sequence index, like `attend`.
+    q [B, H, M, D]; k, v [B, H_kv, N, D]; q_idx [B, M]. Returns [B, H, M, D].
+    """
     n = k.shape[2]
-    ctx = ape.context[:n].to(k.device)
-    k = torch.where(ctx[None, None, :, None], k / ape.temperature, k)
-    visible = causal_position_mask(q_idx, n, window)[0, 0]  # [M, N]
-    bias = torch.where(ctx[None, :], torch.tensor(math.log(ape.scale)), torch.tensor(0.0))
-    bias = torch.where(visible, bias, torch.tensor(float("-inf"))).to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    ctx = ape.context[:n].to(k.device)  # [N]
+    group = q.shape[1] // k.shape[1]
+    keys = k.repeat_interleave(group, dim=1).float()
+    values = v.repeat_interleave(group, dim=1).float()
+    logits = torch.matmul(q.float(), keys.transpose(-1, -2)) * scale  # [B, H, M, N]
+    logits = torch.where(ctx, logits, logits / ape.temperature)
+    logits = logits.masked_fill(~causal_position_mask(q_idx, n, window), float("-inf"))
+    lse_other = torch.where(ctx, float("-inf"), logits).logsumexp(dim=-1, keepdim=True)  # [B, H, M, 1]
+    lse_other = torch.where(torch.isfinite(lse_other), lse_other, torch.zeros_like(lse_other))
+    logits = torch.where(ctx, logits, logits + (ape.scale * ape.temperature - 1.0) * lse_other)
+    return torch.matmul(logits.softmax(dim=-1), values).to(q.dtype)
 
 
 def _blend_keep(spec: BlendSpec, rows, k_new, v_new, k_old, v_old) -> torch.Tensor:
