@@ -177,3 +177,31 @@ def test_reopening_heals_a_lost_index(engine, tiny_pair):
     reopened = CacheClipEngine(*tiny_pair, root, engine.config)
     assert set(reopened.index.ids()) == set(engine.ids)
     assert len(reopened.matcher) == len(set(engine.ids))
+
+
+def test_bf16_storage_round_trip(tiny_pair, tmp_path):
+    """Caches stored in bf16 for fp32 models: stored and served in bf16 (memory tier and disk
+    alike), in a namespace of their own, and answers stay those of fp32 storage up to rounding."""
+    from cacheclip_rag import StoreConfig
+
+    primary, aux = tiny_pair
+    chunking = ChunkConfig(chunk_tokens=24, overlap_tokens=4)
+    plain = CacheClipEngine(primary, aux, tmp_path / "store", EngineConfig(chunk=chunking))
+    ids = plain.ingest(CORPUS, progress=False)
+    half = CacheClipEngine(primary, aux, tmp_path / "store", EngineConfig(chunk=chunking, store=StoreConfig(kv_dtype="bfloat16")))
+    assert half.primary.namespace != plain.primary.namespace and half.primary.storage == torch.bfloat16
+    half.ingest(CORPUS, progress=False)
+    on_disk = half.store.backend.get(half.primary.namespace, ids[0])
+    assert on_disk.tensor("k.0").dtype == torch.bfloat16
+    first = half.answer(QUESTION, chunk_ids=ids[:3], mode="cacheclip", recompute_ratio=0.3, max_new_tokens=6)
+    half.store.clear_memory()
+    from_disk = half.answer(QUESTION, chunk_ids=ids[:3], mode="cacheclip", recompute_ratio=0.3, max_new_tokens=6)
+    assert from_disk.text == first.text and from_disk.recomputed == first.recomputed
+    from cacheclip_rag import plan
+    from cacheclip_rag.execute import execute
+
+    a = execute(plain.prepare(QUESTION, ids[:3], mode="reuse"), plan.get("reuse"), None).logits
+    b = execute(half.prepare(QUESTION, ids[:3], mode="reuse"), plan.get("reuse"), None).logits
+    assert 0 < (a - b).abs().max() < 0.05 * a.abs().max()
+    with pytest.raises(ValueError, match="kv_dtype"):
+        StoreConfig(kv_dtype="int8")

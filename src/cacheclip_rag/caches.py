@@ -8,7 +8,6 @@ written once. A cache found damaged is discarded and re-encoded, never used.
 from __future__ import annotations
 
 import hashlib
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,22 +17,25 @@ from .encode import Template, chat_template, encode_prefix, encode_segment, toke
 from .models import LoadedModel
 from .store import ChunkKV, KVStore, LayerReader
 
-log = logging.getLogger(__name__)
-
 PREFIX_KEY = "__shared_prefix__"
 """The store key of a namespace's shared-prefix cache (keys starting "__" are not chunks)."""
 
 
-def namespace_of(lm: LoadedModel, prefix_ids: torch.Tensor) -> str:
-    """The store namespace of a model and shared prefix: caches are valid only for both."""
+def namespace_of(lm: LoadedModel, prefix_ids: torch.Tensor, storage: torch.dtype | None = None) -> str:
+    """The store namespace of a model, shared prefix and storage dtype: caches are valid only
+    for all three (a storage dtype equal to the compute dtype adds nothing to the hash, so
+    stores written before storage dtypes existed keep their namespaces)."""
     digest = hashlib.sha256(lm.fingerprint.encode())
     digest.update(prefix_ids.numpy().tobytes())
+    if storage is not None and storage != lm.dtype:
+        digest.update(f"storage={storage}".encode())
     return digest.hexdigest()[:32]
 
 
 @dataclass
 class ChunkCaches:
-    """A model with its prompt frame (template, shared-prefix ids [P]) and its caches in a store."""
+    """A model with its prompt frame (template, shared-prefix ids [P]) and its caches in a store,
+    kept in `storage` dtype (every cache this hands out is in it, encoded or read)."""
 
     lm: LoadedModel
     template: Template
@@ -41,6 +43,7 @@ class ChunkCaches:
     namespace: str
     store: KVStore
     role: str
+    storage: torch.dtype
 
     @classmethod
     def open(cls, lm: LoadedModel, store: KVStore, prompt: PromptConfig, role: str) -> ChunkCaches:
@@ -48,11 +51,12 @@ class ChunkCaches:
         prefix's cache is there and current."""
         template = chat_template(lm, prompt)
         prefix_ids, _ = tokenize(lm, template.prefix, special=True)
-        caches = cls(lm, template, prefix_ids, namespace_of(lm, prefix_ids), store, role)
+        storage = store.cfg.storage_dtype(lm.dtype)
+        caches = cls(lm, template, prefix_ids, namespace_of(lm, prefix_ids, storage), store, role, storage)
         store.describe_namespace(caches.namespace, {"role": role, "model": lm.name, "fingerprint": lm.fingerprint,
-                                                    "dtype": str(lm.dtype).removeprefix("torch.")})
+                                                    "dtype": _name(lm.dtype), "kv_dtype": _name(storage)})
         if not torch.equal(caches.prefix().token_ids, prefix_ids):  # a prefix cached under other ids
-            caches.store.put_kv(caches.namespace, PREFIX_KEY, encode_prefix(lm, template.prefix))
+            caches.store.put_kv(caches.namespace, PREFIX_KEY, encode_prefix(lm, template.prefix).to(storage))
         return caches
 
     def get(self, chunk_id: str, text: str | None = None) -> ChunkKV:
@@ -64,7 +68,7 @@ class ChunkCaches:
         """The shared prefix's cache (re-encoded if it went missing or was damaged)."""
         kv = self.store.get_kv(self.namespace, PREFIX_KEY)
         if kv is None:
-            kv = encode_prefix(self.lm, self.template.prefix)
+            kv = encode_prefix(self.lm, self.template.prefix).to(self.storage)
             self.store.put_kv(self.namespace, PREFIX_KEY, kv)
         return kv
 
@@ -86,7 +90,7 @@ class ChunkCaches:
             if chunk is None:
                 raise ValueError(f"unknown chunk id {chunk_id!r}: not in the store {self.store.location}")
             text = chunk.text
-        kv = encode_segment(self.lm, self.prefix_ids, text)
+        kv = encode_segment(self.lm, self.prefix_ids, text).to(self.storage)
         self.store.put_kv(self.namespace, chunk_id, kv)
         return kv
 
@@ -98,3 +102,7 @@ class ChunkCaches:
     def remember(self, chunk_id: str, kv: ChunkKV) -> None:
         """Hand a cache read layer by layer to the store's memory tier."""
         self.store.remember(self.namespace, chunk_id, kv)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -11,7 +11,7 @@ from importlib import resources
 from pathlib import Path
 
 from . import plan
-from .config import ChunkConfig, EngineConfig, ModelConfig
+from .config import ChunkConfig, EngineConfig, ModelConfig, StoreConfig
 from .hardware import describe as describe_cpu
 from .models import DEFAULT_AUX, DEFAULT_PRIMARY, cache_dir
 
@@ -25,6 +25,7 @@ def _engine(args, chunk: ChunkConfig | None = None):
     layers = getattr(args, "score_layers", None)
     cfg = EngineConfig(
         model=ModelConfig(dtype=getattr(args, "dtype", "auto")),
+        store=StoreConfig(kv_dtype=getattr(args, "kv_dtype", "auto")),
         chunk=chunk or ChunkConfig(),
         top_k=getattr(args, "k", None) or EngineConfig().top_k,
         select=SelectConfig(score_layers=tuple(layers) if layers else None),
@@ -183,7 +184,8 @@ def cmd_store(args) -> int:
         usage = store.usage()
         print(f"store {root}: {usage['chunks']} chunks, texts {usage['text_bytes'] / 2**20:.1f} MB")
         for ns, info in usage["namespaces"].items():
-            print(f"  {info.get('role', '?'):<8} {info.get('model', '?'):<32} {info.get('dtype', '?'):<9} {info['caches']:>6} caches "
+            dtypes = f"{info.get('dtype', '?')}/{info.get('kv_dtype', info.get('dtype', '?'))}"
+            print(f"  {info.get('role', '?'):<8} {info.get('model', '?'):<32} {dtypes:<18} {info['caches']:>6} caches "
                   f"{info['bytes'] / 2**20:>9.1f} MB  (namespace {ns[:12]}, fingerprint {info.get('fingerprint', '?')[:12]})")
         print("  memory tier: in-process, per engine (StoreConfig.memory_bytes); hit rates in `bench ttft` output")
         profile = store.read_profile()
@@ -367,6 +369,8 @@ def _common(p: argparse.ArgumentParser, store_default: str | None = "cacheclip-s
     p.add_argument("--primary", default=DEFAULT_PRIMARY, help="primary model: embedded name, folder or hub id")
     p.add_argument("--aux", default=DEFAULT_AUX, help="auxiliary (selector) model")
     _dtype_arg(p)
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="storage dtype of the chunk caches (auto: the compute dtype); kept in its own namespace")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -429,6 +433,8 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("models", help="verify and convert the embedded default models (once)")
     _dtype_arg(p)
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="storage dtype of the chunk caches (auto: the compute dtype); kept in its own namespace")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_models)
 

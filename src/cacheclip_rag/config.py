@@ -151,13 +151,25 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """The KV store: memory tier size (bytes) in front of the safetensors files."""
+    """The KV store: memory tier size (bytes) in front of the backend, and the storage dtype.
+
+    kv_dtype: the dtype chunk caches are stored in ("auto": the model's compute dtype). bf16
+    storage halves disk, memory tier and load time; caches are upcast as they are assembled. A
+    storage dtype other than the compute dtype gets its own namespace, so precisions never mix.
+    """
 
     memory_bytes: int = 512 * 1024 * 1024
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.memory_bytes, int) or self.memory_bytes < 0:
             raise ValueError(f"memory_bytes must be a non-negative integer, got {self.memory_bytes!r}")
+        if self.kv_dtype not in ("auto", *DTYPES):
+            raise ValueError(f"kv_dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.kv_dtype!r}")
+
+    def storage_dtype(self, compute: torch.dtype) -> torch.dtype:
+        """The dtype caches of a model computing in `compute` are stored in."""
+        return compute if self.kv_dtype == "auto" else DTYPES[self.kv_dtype]
 
 
 @dataclass(frozen=True)

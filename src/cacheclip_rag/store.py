@@ -70,6 +70,13 @@ class ChunkKV:
         kv = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in zip(self.keys, self.values))
         return kv + self.token_ids.numel() * 8 + self.offsets.numel() * 8
 
+    def to(self, dtype: torch.dtype) -> ChunkKV:
+        """The same cache with K/V in `dtype` (itself when they already are)."""
+        if self.keys[0].dtype == dtype:
+            return self
+        return ChunkKV([k.to(dtype) for k in self.keys], [v.to(dtype) for v in self.values], self.token_ids,
+                       self.offsets, self.start_pos)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {"token_ids": self.token_ids, "offsets": self.offsets}
         for layer, (k, v) in enumerate(zip(self.keys, self.values)):
