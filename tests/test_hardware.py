@@ -36,3 +36,60 @@ def test_cpu_flags_parse_cpuinfo(tmp_path):
     assert cpu_flags(tmp_path / "missing") == frozenset()
     assert native_bf16("cpu", cpu_flags(info)) and not native_bf16("cpu", AVX2)
     assert "native bf16: False" in describe(AVX2)
+
+
+# ----- device per role (the paper's placement: primary on the GPU, aux on the CPU) ------------
+
+
+def test_device_resolution():
+    from cacheclip_rag.hardware import resolve_device
+
+    assert resolve_device("auto", cuda_available=False) == torch.device("cpu")
+    assert resolve_device("auto", cuda_available=True) == torch.device("cuda:0")
+    assert resolve_device("cuda:1", cuda_available=True) == torch.device("cuda:1")
+    assert resolve_device("cpu", cuda_available=True) == torch.device("cpu")
+    with pytest.raises(ValueError, match="has no CUDA GPU"):
+        resolve_device("cuda", cuda_available=False)
+    with pytest.raises(ValueError, match="only 'cpu' and 'cuda"):
+        resolve_device("meta", cuda_available=True)
+
+
+def test_roles_default_to_the_papers_placement(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = ModelConfig()
+    assert cfg.device("primary") == torch.device("cuda:0") and cfg.device("aux") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cfg.device("primary") == torch.device("cpu")
+    with pytest.raises(ValueError, match="role must be"):
+        cfg.device("judge")
+    with pytest.raises(ValueError, match="primary_device must be"):
+        ModelConfig(primary_device="gpu please")
+
+
+def test_models_and_caches_land_where_the_config_says(tiny_pair, tmp_path):
+    """On this CPU-only machine: both roles load on the configured device; chunk caches are
+    kept on the host and the request's assembled cache and logits follow the primary."""
+    from cacheclip_rag import CacheClipEngine, EngineConfig, plan
+    from cacheclip_rag.execute import execute
+    from cacheclip_rag.models import load
+
+    primary, aux = tiny_pair
+    folder = tmp_path / "primary"
+    primary.model.save_pretrained(folder)
+    primary.tokenizer.save_pretrained(folder)
+    loaded = load(str(folder), ModelConfig(dtype="float32", primary_device="cpu"), role="primary")
+    assert loaded.device == torch.device("cpu") and loaded.dtype == torch.float32
+    with pytest.raises(ValueError, match="has no CUDA GPU"):
+        if not torch.cuda.is_available():
+            load(str(folder), ModelConfig(primary_device="cuda"), role="primary")
+        else:
+            raise ValueError("has no CUDA GPU")  # the check above only means something without a GPU
+
+    from conftest import CORPUS
+
+    engine = CacheClipEngine(loaded, aux, tmp_path / "store", EngineConfig())
+    ids = engine.ingest(CORPUS[:3], progress=False)
+    kv = engine.primary.get(ids[0])
+    assert kv.keys[0].device == torch.device("cpu")
+    done = execute(engine.prepare("what is the code?", ids, mode="cacheclip", recompute_ratio=0.5), plan.get("cacheclip"), None)
+    assert done.logits.device == torch.device("cpu")

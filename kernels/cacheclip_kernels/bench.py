@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import sparse_query_attention, sparse_query_attention_ref
+from . import causal_position_mask, sparse_query_attention, sparse_query_attention_ref
 
 
 def _time(fn, device: str, reps: int) -> float:
@@ -37,7 +37,8 @@ def _time(fn, device: str, reps: int) -> float:
     return statistics.median(samples)
 
 
-def run(lengths, fractions, heads=14, kv_heads=2, head_dim=64, dtype=torch.bfloat16, device="cuda", reps=20):
+def run(lengths, fractions, heads=14, kv_heads=2, head_dim=64, dtype=torch.bfloat16, device="cuda", reps=20, window=None):
+    """Dense is causal SDPA over all N rows (with the same sliding window as a boolean mask when one is given)."""
     rows = []
     for n in lengths:
         for frac in fractions:
@@ -48,10 +49,14 @@ def run(lengths, fractions, heads=14, kv_heads=2, head_dim=64, dtype=torch.bfloa
             v = torch.randn(1, kv_heads, n, head_dim, generator=g).to(device, dtype)
             pos = torch.sort(torch.randperm(n, generator=g)[:m]).values[None].to(device)
             q_all = torch.randn(1, heads, n, head_dim, generator=g).to(device, dtype)
-            dense = _time(lambda: F.scaled_dot_product_attention(q_all, k, v, is_causal=True, enable_gqa=True), device, reps)
-            kernel = _time(lambda: sparse_query_attention(q, k, v, pos), device, reps)
-            ref = _time(lambda: sparse_query_attention_ref(q, k, v, pos), device, reps)
-            rows.append(dict(n=n, m=m, frac=frac, kernel_ms=kernel, ref_ms=ref, dense_ms=dense,
+            if window is None:
+                dense = _time(lambda: F.scaled_dot_product_attention(q_all, k, v, is_causal=True, enable_gqa=True), device, reps)
+            else:
+                band = causal_position_mask(torch.arange(n, device=device)[None], n, window)
+                dense = _time(lambda: F.scaled_dot_product_attention(q_all, k, v, attn_mask=band, enable_gqa=True), device, reps)
+            kernel = _time(lambda: sparse_query_attention(q, k, v, pos, window=window), device, reps)
+            ref = _time(lambda: sparse_query_attention_ref(q, k, v, pos, window=window), device, reps)
+            rows.append(dict(n=n, m=m, frac=frac, window=window, kernel_ms=kernel, ref_ms=ref, dense_ms=dense,
                              kernel_vs_dense=kernel / dense, ref_vs_dense=ref / dense))
     return rows
 
@@ -70,18 +75,20 @@ def main(argv=None) -> None:
     ap.add_argument("--cpu", action="store_true", help="run on CPU (needs TRITON_INTERPRET=1); tiny shapes")
     ap.add_argument("--lengths", type=int, nargs="+", default=None)
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.2, 0.5])
+    ap.add_argument("--window", type=int, default=None, help="sliding window (keys) for every row")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.cpu:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("--cpu needs TRITON_INTERPRET=1 in the environment before Python starts")
-        rows = run(args.lengths or [256, 512], args.fractions, heads=4, kv_heads=2, dtype=torch.float32, device="cpu", reps=3)
+        rows = run(args.lengths or [256, 512], args.fractions, heads=4, kv_heads=2, dtype=torch.float32, device="cpu", reps=3,
+                   window=args.window)
         label = "CPU, Triton INTERPRETER (fp32): these times measure the interpreter, NOT kernel speed"
     else:
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device; use --cpu with TRITON_INTERPRET=1 for a functional run")
-        rows = run(args.lengths or [2048, 8192, 16384], args.fractions)
-        label = f"{torch.cuda.get_device_name()} bf16, B=1 H=14 H_kv=2 D=64 (Qwen2.5-0.5B shapes)"
+        rows = run(args.lengths or [2048, 8192, 16384], args.fractions, window=args.window)
+        label = f"{torch.cuda.get_device_name()} bf16, B=1 H=14 H_kv=2 D=64 (Qwen2.5-0.5B shapes), window {args.window}"
     print(table(rows, label))
     if args.json:
         with open(args.json, "w") as fh:

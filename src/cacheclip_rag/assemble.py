@@ -158,6 +158,9 @@ def write_segment(
     cache: AssembledCache, layer: int, seg: Segment, k: torch.Tensor, v: torch.Tensor, delta: int, inv_freq: torch.Tensor
 ) -> None:
     """One layer of one chunk into its rows, keys moved by `delta` positions (with that layer's
-    RoPE frequencies: `Family.inv_freq(layer)`)."""
+    RoPE frequencies: `Family.inv_freq(layer)`). k, v may live on the host: they are copied to
+    the cache's device first, so re-rotation runs there."""
+    device = cache.keys[layer].device
+    k, v = k.to(device, non_blocking=True), v.to(device, non_blocking=True)
     cache.keys[layer][0, :, seg.start : seg.end] = rerotate(k, delta, inv_freq)
     cache.values[layer][0, :, seg.start : seg.end] = v

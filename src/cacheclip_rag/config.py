@@ -174,27 +174,48 @@ class StoreConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """How models are loaded. dtype applies to both models and to the stored caches.
+    """How models are loaded: compute dtype and the device of each role.
 
-    dtype "auto" (the default) computes in bf16 where the hardware does it natively (CUDA, CPUs
-    with AMX or AVX512-BF16) and in float32 elsewhere, decided once at load (`hardware.py`);
-    the chosen dtype is part of each model's fingerprint, so caches never mix across dtypes.
+    dtype "auto" (the default) computes in bf16 where the device does it natively (CUDA, CPUs
+    with AMX or AVX512-BF16) and in float32 elsewhere, decided once per model at load
+    (`hardware.py`); the chosen dtype is part of each model's fingerprint, so caches never mix
+    across dtypes. primary_device "auto" is the first CUDA GPU where there is one, else the CPU;
+    the aux model stays on the CPU (the paper's hybrid placement: it selects while the GPU
+    loads caches and recomputes). Any torch device string overrides either.
     """
 
     dtype: str = "auto"
     threads: int | None = None
+    primary_device: str = "auto"
+    aux_device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.threads is not None:
             _check_positive("threads", self.threads)
+        for name in ("primary_device", "aux_device"):
+            value = getattr(self, name)
+            if value != "auto":
+                try:
+                    torch.device(value)
+                except (RuntimeError, TypeError) as err:
+                    raise ValueError(f"{name} must be 'auto' or a torch device such as 'cpu' or 'cuda:0', got {value!r}") from err
 
-    def torch_dtype(self, flags: frozenset[str] | None = None) -> torch.dtype:
-        """The compute dtype on the CPU ("auto" resolved; flags: CPU flags to use instead of this machine's)."""
+    def device(self, role: str) -> torch.device:
+        """The device of `role` ("primary" or "aux"), "auto" resolved; a CUDA device asked for on
+        a machine without one is a ValueError."""
+        from .hardware import resolve_device
+
+        if role not in ("primary", "aux"):
+            raise ValueError(f"role must be 'primary' or 'aux', got {role!r}")
+        return resolve_device(self.primary_device if role == "primary" else self.aux_device)
+
+    def torch_dtype(self, flags: frozenset[str] | None = None, device: str | torch.device = "cpu") -> torch.dtype:
+        """The compute dtype on `device` ("auto" resolved; flags: CPU flags to use instead of this machine's)."""
         from .hardware import resolve_dtype
 
-        return resolve_dtype(self.dtype, "cpu", flags)
+        return resolve_dtype(self.dtype, device, flags)
 
 
 @dataclass(frozen=True)

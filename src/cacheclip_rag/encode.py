@@ -61,8 +61,9 @@ def tokenize(lm: LoadedModel, text: str, special: bool = False) -> tuple[torch.T
 
 
 def _layers_kv(cache, start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    keys = [layer.keys[0, :, start:].contiguous().clone() for layer in cache.layers]
-    values = [layer.values[0, :, start:].contiguous().clone() for layer in cache.layers]
+    """Per layer K/V from `start` on, on the host (stored caches and the memory tier live there)."""
+    keys = [layer.keys[0, :, start:].to("cpu", copy=True).contiguous() for layer in cache.layers]
+    values = [layer.values[0, :, start:].to("cpu", copy=True).contiguous() for layer in cache.layers]
     return keys, values
 
 

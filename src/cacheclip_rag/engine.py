@@ -66,7 +66,7 @@ class CacheClipEngine:
         """Load both models (embedded default names, local folders or cached hub ids) and open the
         store (a folder or a URL)."""
         config = config or EngineConfig()
-        return cls(model_lib.load(primary, config.model), model_lib.load(aux, config.model), store_dir, config)
+        return cls(model_lib.load(primary, config.model, "primary"), model_lib.load(aux, config.model, "aux"), store_dir, config)
 
     def close(self) -> None:
         """Stop the aux worker and close the store's connections (the engine is unusable after)."""

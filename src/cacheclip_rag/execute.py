@@ -73,7 +73,7 @@ def _full_prefill(prepared: Prepared, plan: Plan) -> Executed:
         out = lm.model(input_ids=layout.input_ids[None].to(lm.device), use_cache=True, logits_to_keep=1)
     timings["recompute"] = time.perf_counter() - t
     rows = torch.arange(layout.prefix_len, layout.num_tokens)
-    return Executed(out.logits[0, -1].float(), hf_step(lm, out.cache, layout.num_tokens), rows, plan)
+    return Executed(out.logits[0, -1].float().cpu(), hf_step(lm, out.cache, layout.num_tokens), rows, plan)
 
 
 def _reuse(prepared: Prepared, plan: Plan, sources: dict, start: float) -> Executed:

@@ -51,7 +51,7 @@ def hf_step(lm: LoadedModel, cache: DynamicCache, next_pos: int) -> Step:
         pos = torch.tensor([[next_pos + t]], device=lm.device)
         ids = torch.tensor([[token]], device=lm.device)
         out = lm.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True)
-        return out.logits[0, -1]
+        return out.logits[0, -1].float().cpu()
 
     return step
 

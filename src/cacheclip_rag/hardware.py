@@ -41,6 +41,20 @@ def native_bf16(device: str | torch.device = "cpu", flags: frozenset[str] | None
     return any(f in flags for f in BF16_CPU_FLAGS)
 
 
+def resolve_device(name: str, cuda_available: bool | None = None) -> torch.device:
+    """A configured device: "auto" is cuda:0 where CUDA is available, else the CPU. Asking for
+    CUDA where there is none is a ValueError naming what was asked."""
+    available = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if name == "auto":
+        return torch.device("cuda:0" if available else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not available:
+        raise ValueError(f"device {name!r} asked for, but this machine has no CUDA GPU (use 'cpu' or 'auto')")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r}: only 'cpu' and 'cuda[:n]' are supported")
+    return device
+
+
 def resolve_dtype(name: str, device: str | torch.device = "cpu", flags: frozenset[str] | None = None) -> torch.dtype:
     """The compute dtype for a configured name: "auto" is bf16 where native (see `native_bf16`),
     float32 elsewhere; any other name is taken as given."""

@@ -233,14 +233,16 @@ def weights_fingerprint(model: nn.Module) -> str:
     return digest.hexdigest()[:32]
 
 
-def load(name: str, cfg: ModelConfig | None = None) -> LoadedModel:
-    """Load a causal LM and its tokenizer for CPU inference in cfg.dtype ("auto": see ModelConfig)."""
+def load(name: str, cfg: ModelConfig | None = None, role: str = "primary") -> LoadedModel:
+    """Load a causal LM and its tokenizer for inference on its role's device, in cfg.dtype
+    ("auto": see ModelConfig). The converted folder is per dtype; the weights move to the device."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = cfg or ModelConfig()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    dtype = cfg.torch_dtype()
+    device = cfg.device(role)
+    dtype = cfg.torch_dtype(device=device)
     source = resolve(name, dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
@@ -252,9 +254,9 @@ def load(name: str, cfg: ModelConfig | None = None) -> LoadedModel:
         ) from err
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"model {name!r} has a slow tokenizer; character offsets need a fast tokenizer")
-    model.eval()
+    model.to(device).eval()
     loaded = LoadedModel(name=name, model=model, tokenizer=tokenizer, fingerprint=weights_fingerprint(model))
-    log.info("loaded %s (%s, %s)", name, model.config.model_type, str(dtype).removeprefix("torch."))
+    log.info("loaded %s as %s (%s, %s, %s)", name, role, model.config.model_type, str(dtype).removeprefix("torch."), device)
     return loaded
 
 

@@ -200,5 +200,5 @@ def recompute_rows(
         else:
             out = attend(q, keys, values, rows[None], scale, backend, window)
         h = fam.finish(layer, h, out)
-    logits = fam.logits(h[:, -tail:])[0].float()  # [tail, vocab]
+    logits = fam.logits(h[:, -tail:])[0].float().cpu()  # [tail, vocab], on the host for decoding
     return RecomputeResult(logits[-1], rows.cpu(), logits if tail > 1 else None)
