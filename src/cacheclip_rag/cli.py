@@ -277,6 +277,29 @@ def _print_versus(args, results: list, rows: list[dict], metric: str, title: str
     return pairs
 
 
+def _progress(args):
+    """A progress bar on stderr over the needle-suite samples a bench runs (they take minutes each
+    at 4K on a CPU); called with a message after each sample."""
+    from tqdm import tqdm
+
+    total = len(args.lengths) * len(args.variants or needle_variants()) * args.samples
+    bar = tqdm(total=total, desc="samples", unit="sample", file=sys.stderr, dynamic_ncols=True)
+
+    def step(message: str) -> None:
+        bar.set_postfix_str(message)
+        bar.update(1)
+        if bar.n >= total:
+            bar.close()
+
+    return step
+
+
+def needle_variants() -> tuple[str, ...]:
+    from .niah import VARIANTS
+
+    return VARIANTS
+
+
 def _bench_deviation(args) -> int:
     """Reused vs full K/V per layer, how concentrated the deviation is, and the fidelity of
     rows chosen by deviation against rows chosen by attention."""
@@ -285,7 +308,7 @@ def _bench_deviation(args) -> int:
     engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
     deviations, results = deviation.run(engine, args.ratios, variants=args.variants, lengths=args.lengths,
                                         samples=args.samples, seed=args.seed, answer_tokens=args.max_new_tokens,
-                                        budget=args.budget, progress=lambda m: log.info(m))
+                                        budget=args.budget, progress=_progress(args))
     if not deviations:
         raise ValueError("full attention answered none of the samples; nothing to compare")
     print("Relative deviation of the reused cache from full prefill, |full - reused| / |full|, mean over rows:")
@@ -311,7 +334,7 @@ def _bench_fidelity(args) -> int:
     modes = [(m, r) for m, r in modes if m != "full"]  # full is the reference itself
     results = fidelity.run(engine, modes, variants=args.variants, lengths=args.lengths, samples=args.samples,
                            seed=args.seed, answer_tokens=args.max_new_tokens, budget=args.budget,
-                           progress=lambda m: log.info(m))
+                           progress=_progress(args))
     rows = fidelity.summarize(results)
     print(fidelity.table(rows))
     pairs = _print_versus(args, results, rows, "kl", "Paired KL differences on the same samples (negative: "
@@ -331,7 +354,7 @@ def _bench_niah(args) -> int:
         engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
         modes = _mode_list(args.modes or ["full", "reuse", "ape", "cacheblend", "epic", "random", "cacheclip"], args.ratios)
         results = needle.run(engine, modes, variants=args.variants, lengths=args.lengths, samples=args.samples,
-                             seed=args.seed, max_new_tokens=args.max_new_tokens, progress=lambda m: log.info(m),
+                             seed=args.seed, max_new_tokens=args.max_new_tokens, progress=_progress(args),
                              budget=args.budget)
     rows = needle.summarize(results)
     print(needle.table(rows))

@@ -125,17 +125,18 @@ def attend_ape(q, k, v, q_idx, scale: float, ape: ApeSpec, window: int | None = 
     q [B, H, M, D]; k, v [B, H_kv, N, D]; q_idx [B, M]. Returns [B, H, M, D].
     """
     n = k.shape[2]
-    ctx = ape.context[:n].to(k.device)  # [N]
+    other = ~ape.context[:n].to(k.device)  # [N]: prefix, plain text, query, generated
+    k = torch.where(other[None, None, :, None], k / ape.temperature, k)  # their logits / T
+    visible = causal_position_mask(q_idx, n, window)  # [B, 1, M, N]
+    cols = torch.nonzero(other).flatten()  # few: the contexts are most of the sequence
     group = q.shape[1] // k.shape[1]
-    keys = k.repeat_interleave(group, dim=1).float()
-    values = v.repeat_interleave(group, dim=1).float()
-    logits = torch.matmul(q.float(), keys.transpose(-1, -2)) * scale  # [B, H, M, N]
-    logits = torch.where(ctx, logits, logits / ape.temperature)
-    logits = logits.masked_fill(~causal_position_mask(q_idx, n, window), float("-inf"))
-    lse_other = torch.where(ctx, float("-inf"), logits).logsumexp(dim=-1, keepdim=True)  # [B, H, M, 1]
-    lse_other = torch.where(torch.isfinite(lse_other), lse_other, torch.zeros_like(lse_other))
-    logits = torch.where(ctx, logits, logits + (ape.scale * ape.temperature - 1.0) * lse_other)
-    return torch.matmul(logits.softmax(dim=-1), values).to(q.dtype)
+    k_other = k[:, :, cols].repeat_interleave(group, dim=1)
+    logits = torch.matmul(q.float(), k_other.float().transpose(-1, -2)) * scale  # [B, H, M, |other|]
+    lse = logits.masked_fill(~visible[..., cols], float("-inf")).logsumexp(dim=-1, keepdim=True)
+    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # [B, H, M, 1]
+    bias = torch.where(other, (ape.scale * ape.temperature - 1.0) * lse, torch.zeros_like(lse))  # [B, H, M, N]
+    bias = bias.masked_fill(~visible, float("-inf")).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=group > 1)
 
 
 def _blend_keep(spec: BlendSpec, rows, k_new, v_new, k_old, v_old) -> torch.Tensor:
