@@ -61,17 +61,19 @@ BACKENDS = ("auto", "torch", "triton")
 
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float, backend: str = "auto",
-    window: int | None = None,
+    window: int | None = None, mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sparse-query attention: each row sees keys at positions <= its own (and, with a window,
-    > its own - window). Shapes as the kernel's.
+    > its own - window). Shapes as the kernel's; mask: the torch path's boolean mask, when the
+    caller built it once for all layers.
 
-    backend "auto" runs the Triton kernel on CUDA tensors and the torch reference elsewhere;
-    "torch" and "triton" force one (triton on CPU works only under TRITON_INTERPRET=1).
+    backend "auto" runs the Triton kernel on CUDA tensors and the torch reference (one fused
+    SDPA call with a boolean mask) elsewhere; "torch" and "triton" force one (triton on CPU
+    works only under TRITON_INTERPRET=1).
     """
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         return sparse_query_attention(q, k, v, q_pos, scale=scale, window=window)
-    return sparse_query_attention_ref(q, k, v, q_pos, scale=scale, window=window)
+    return sparse_query_attention_ref(q, k, v, q_pos, scale=scale, window=window, mask=mask)
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,13 @@ def recompute_rows(
     rope_pos = (rows if positions is None else positions.to(lm.device)[rows])[None]  # [1, M]
     h = fam.embed(input_ids.to(lm.device)[rows])[None]  # [1, M, hidden]
     rope = fam.rope(h, rope_pos)
+    masks: dict[int | None, torch.Tensor] = {}  # per sliding window: depends only on the rows
+
+    def mask(window: int | None) -> torch.Tensor:
+        if window not in masks:
+            masks[window] = causal_position_mask(rows[None], cache.num_tokens, window)
+        return masks[window]
+
     for layer in range(len(fam.layers)):
         if layer_ready is not None:
             layer_ready(layer)
@@ -193,13 +202,14 @@ def recompute_rows(
             keep = _blend_keep(blend, rows, k, v, keys[:, :, rows], values[:, :, rows])
             rows, h, q, k, v = rows[keep], h[:, keep], q[:, :, keep], k[:, :, keep], v[:, :, keep]
             rope = {t: (cos[:, keep], sin[:, keep]) for t, (cos, sin) in rope.items()}
+            masks.clear()
         keys[:, :, rows] = k
         values[:, :, rows] = v
         scale, window = fam.scaling(layer), fam.window(layer)
         if ape is not None:
             out = attend_ape(q, keys, values, rows[None], scale, ape, window)
         else:
-            out = attend(q, keys, values, rows[None], scale, backend, window)
+            out = attend(q, keys, values, rows[None], scale, backend, window, None if q.is_cuda else mask(window))
         h = fam.finish(layer, h, out)
     logits = fam.logits(h[:, -tail:])[0].float().cpu()  # [tail, vocab], on the host for decoding
     return RecomputeResult(logits[-1], rows.cpu(), logits if tail > 1 else None)
