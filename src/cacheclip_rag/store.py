@@ -100,7 +100,7 @@ def _tensor_sum(name: str, t: torch.Tensor) -> str:
     digest.update(name.encode())
     digest.update(str(tuple(t.shape)).encode())
     digest.update(str(t.dtype).encode())
-    digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    digest.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # hashed in place, no copy
     return digest.hexdigest()[:32]
 
 
