@@ -74,3 +74,24 @@ def test_prepare_gives_analysis_what_serving_uses(tiny_pair, tmp_path):
             engine.prepare()
         streamed = engine.run(engine.prepare("What is the code?", ids, mode="reuse", max_new_tokens=2)).collect()
         assert torch.equal(torch.tensor(streamed.recomputed), prepared.layout.uncached_rows())
+
+
+class AuxMover(Selector):
+    """A bad aux selector: plans on the aux thread (the cache is assembled meanwhile) but moves positions."""
+
+    name = "aux-mover"
+    uses_aux = True
+
+    def plan(self, prepared) -> Plan:
+        return Plan(rows=prepared.layout.chunk_rows()[:1], positions=torch.arange(prepared.layout.num_tokens) + 1)
+
+
+def test_an_aux_selector_that_moves_positions_is_refused(tiny_pair, tmp_path):
+    selector = plan.register(AuxMover())
+    try:
+        with CacheClipEngine(*tiny_pair, tmp_path, EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4))) as engine:
+            ids = engine.ingest(CORPUS, progress=False)[:3]
+            with pytest.raises(ValueError, match="moves token positions"):
+                engine.answer("What is the code?", chunk_ids=ids, mode="aux-mover", recompute_ratio=0.5, max_new_tokens=2)
+    finally:
+        plan.unregister(selector.name)

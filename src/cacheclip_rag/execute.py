@@ -36,7 +36,12 @@ class Executed:
 
 def execute(prepared: Prepared, selector: Selector, pool: Executor | None) -> Executed:
     """Plan (on `pool` when the selector uses the aux model and overlap is on) and build the
-    request's cache; timings go to `prepared.request.timings`."""
+    request's cache; timings go to `prepared.request.timings`.
+
+    An aux-using selector keeps every token at its own position, so while it plans on the
+    worker thread the primary caches are already being loaded and assembled layer by layer;
+    recompute starts when the plan arrives (CacheClip's overlap of selection with loading).
+    """
     timings = prepared.request.timings
     for key in ("selection", "load", "assemble", "recompute"):
         timings[key] = 0.0
@@ -51,13 +56,19 @@ def execute(prepared: Prepared, selector: Selector, pool: Executor | None) -> Ex
     start = time.perf_counter()
     sources = {seg.chunk_id: _source(prepared, seg) for seg in prepared.layout.chunk_segments()}
     timings["load"] = time.perf_counter() - start
+    positions = plan.positions if not uses_aux else None
+    cache, feeder = _assemble(prepared, sources, positions)
     if uses_aux:
         t = time.perf_counter()
         plan = future.result() if future is not None else selector.plan_for(prepared)
+        if plan.positions is not None:
+            feeder.finish()
+            raise ValueError(f"selector {selector.name!r} uses the aux model and moves token positions; an aux "
+                             "selector's plan must keep positions (the cache is assembled while it plans)")
         timings["selection"] = plan.seconds
         timings["selection_wait"] = time.perf_counter() - t if future is not None else plan.seconds
         timings["selection_hidden"] = max(0.0, plan.seconds - timings["selection_wait"])
-    return _reuse(prepared, plan, sources, start)
+    return _recompute(prepared, plan, cache, feeder, start)
 
 
 def _source(prepared: Prepared, seg):
@@ -76,18 +87,25 @@ def _full_prefill(prepared: Prepared, plan: Plan) -> Executed:
     return Executed(out.logits[0, -1].float().cpu(), hf_step(lm, out.cache, layout.num_tokens), rows, plan)
 
 
-def _reuse(prepared: Prepared, plan: Plan, sources: dict, start: float) -> Executed:
-    """Assemble layer by layer and recompute the plan's rows and every plain-text row."""
+def _assemble(prepared: Prepared, sources: dict, positions: torch.Tensor | None) -> tuple[AssembledCache, LayerFeeder]:
+    """Preallocate the request's cache, write the prefix, and start filling the chunk layers
+    (on a thread when layer-wise loading is on)."""
     primary, layout, request = prepared.primary, prepared.layout, prepared.request
-    timings, config = request.timings, prepared.config
-    t = time.perf_counter()
-    positions = plan.positions if plan.positions is not None else torch.arange(layout.num_tokens)
+    positions = positions if positions is not None else torch.arange(layout.num_tokens)
     cache = AssembledCache.empty(primary.lm, layout.num_tokens + request.options.max_new_tokens)
     write_prefix(cache, layout, primary.prefix())
     feeder = LayerFeeder(primary.lm, layout, sources, positions, cache, primary.rebuild,
-                         pipelined=config.pipeline.layerwise_loading, on_loaded=primary.remember)
+                         pipelined=prepared.config.pipeline.layerwise_loading, on_loaded=primary.remember)
+    return cache, feeder
+
+
+def _recompute(prepared: Prepared, plan: Plan, cache: AssembledCache, feeder: LayerFeeder, start: float) -> Executed:
+    """Recompute the plan's rows and every plain-text row in the assembled cache."""
+    layout, timings, config = prepared.layout, prepared.request.timings, prepared.config
+    t = time.perf_counter()
+    positions = plan.positions if plan.positions is not None else torch.arange(layout.num_tokens)
     rows = torch.unique(torch.cat([layout.uncached_rows(), plan.rows]))  # sorted
-    result = recompute_rows(primary.lm, cache, layout.input_ids, rows, positions=positions,
+    result = recompute_rows(prepared.primary.lm, cache, layout.input_ids, rows, positions=positions,
                             backend=config.attention_backend, ape=plan.ape, blend=plan.blend, layer_ready=feeder.wait)
     feeder.finish()
     timings["assemble"] = feeder.busy  # loading + re-rotation per layer, overlapped when pipelined

@@ -50,7 +50,8 @@ class Selector:
 
     name: the mode name users pass. fixed_ratio: the recompute ratio the method always has (full
     1.0, reuse 0.0), None when the request's ratio applies. uses_aux: the plan runs the aux model;
-    the executor runs it on a worker thread while the primary caches load. analysis_only: needs
+    the executor runs it on a worker thread while the primary caches load and are assembled, so
+    such a plan must keep every token at its own position (`Plan.positions` None). analysis_only: needs
     more than full attention costs (shown starred in tables). row_set: the plan is a set of rows
     and nothing else, so an analysis can replay it (teacher-forced fidelity).
     """
