@@ -152,3 +152,26 @@ def test_recompute_through_the_kernel_equals_the_torch_path(tiny_lm):
     for kt, kr in zip(results["triton"][1].keys, results["torch"][1].keys):
         torch.testing.assert_close(kt, kr, atol=1e-4, rtol=1e-4)
     assert not math.isnan(results["triton"][0].sum().item())
+
+
+@pytest.mark.parametrize("window", [None, 5, 100])
+@pytest.mark.parametrize("m, n, blocks", [(1, 1, None), (37, 300, None), (300, 700, None), (300, 700, 5), (64, 64, 3)])
+def test_blocked_cpu_path_matches_reference(m, n, blocks, window):
+    from cacheclip_kernels import BlockPlan, blocked_attention
+
+    g = torch.Generator().manual_seed(m + n)
+    q, k, v = torch.randn(1, 6, m, 64, generator=g), torch.randn(1, 2, n, 64, generator=g), torch.randn(1, 2, n, 64, generator=g)
+    pos = torch.sort(torch.randperm(n, generator=g)[:m]).values
+    plan = BlockPlan.build(pos, n, window, blocks)
+    got = blocked_attention(q, k, v, plan, scale=0.2)
+    torch.testing.assert_close(got, sparse_query_attention_ref(q, k, v, pos[None], scale=0.2, window=window), atol=2e-5, rtol=2e-5)
+    assert all(b.hi - b.lo <= n for b in plan.blocks) and sum(b.rows.stop - b.rows.start for b in plan.blocks) == m
+
+
+def test_block_plan_rejects_unsorted_or_out_of_range_rows():
+    from cacheclip_kernels import BlockPlan
+
+    with pytest.raises(ValueError, match="ascending"):
+        BlockPlan.build(torch.tensor([3, 1, 2]), 10)
+    with pytest.raises(ValueError, match="ascending"):
+        BlockPlan.build(torch.tensor([1, 10]), 10)

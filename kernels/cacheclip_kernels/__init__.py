@@ -2,10 +2,12 @@
 window) for a scattered set of query rows.
 
 Importable without a GPU and without Triton: `sparse_query_attention_ref` is the plain-torch
-reference (the engine's CPU path and every kernel test's oracle); `sparse_query_attention`, the
-Triton kernel, imports Triton when first called.
+reference (every kernel test's oracle); `blocked_attention` is the engine's CPU path (sorted
+rows in a few blocks, each over only the keys it can see); `sparse_query_attention`, the Triton
+kernel, imports Triton when first called.
 """
 
+from .blocked import BlockPlan, blocked_attention
 from .reference import causal_position_mask, sparse_query_attention_ref
 
 
@@ -18,4 +20,4 @@ def sparse_query_attention(q, k, v, q_pos, *, scale=None, return_lse=False, bloc
     return kernel(q, k, v, q_pos, scale=scale, return_lse=return_lse, block_m=block_m, block_n=block_n, window=window)
 
 
-__all__ = ["causal_position_mask", "sparse_query_attention", "sparse_query_attention_ref"]
+__all__ = ["BlockPlan", "blocked_attention", "causal_position_mask", "sparse_query_attention", "sparse_query_attention_ref"]

@@ -30,7 +30,6 @@ def sparse_query_attention_ref(
     *,
     scale: float | None = None,
     window: int | None = None,
-    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[b, h, m] = softmax(q[b, h, m] . K[b, h_kv, lo : q_pos[b, m] + 1]^T * scale) V, where
     lo = 0, or q_pos[b, m] - window + 1 with a sliding window.
@@ -38,8 +37,6 @@ def sparse_query_attention_ref(
     q: [B, H, M, D] the selected rows only, in any order.
     k, v: [B, H_kv, N, D] the whole cache (H a multiple of H_kv, grouped-query attention).
     q_pos: [B, M] absolute positions of the rows, each in [0, N).
-    mask: `causal_position_mask(q_pos, N, window)` when the caller already has it (it depends
-    only on the rows, so a layer loop builds it once per request).
     Returns [B, H, M, D] in q's dtype.
     """
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
@@ -51,8 +48,5 @@ def sparse_query_attention_ref(
     if q_pos.shape != (b, m):
         raise ValueError(f"q_pos must be [B, M] = {(b, m)}, got {tuple(q_pos.shape)}")
     check_window(window)
-    if mask is None:
-        mask = causal_position_mask(q_pos, n, window)
-    elif mask.shape != (b, 1, m, n):
-        raise ValueError(f"mask must be [B, 1, M, N] = {(b, 1, m, n)}, got {tuple(mask.shape)}")
+    mask = causal_position_mask(q_pos, n, window)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=h != h_kv)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from cacheclip_kernels import causal_position_mask, sparse_query_attention, sparse_query_attention_ref
+from cacheclip_kernels import BlockPlan, blocked_attention, causal_position_mask, sparse_query_attention, sparse_query_attention_ref
 
 from .models import LoadedModel
 
@@ -61,19 +61,20 @@ BACKENDS = ("auto", "torch", "triton")
 
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float, backend: str = "auto",
-    window: int | None = None, mask: torch.Tensor | None = None,
+    window: int | None = None, plan: BlockPlan | None = None,
 ) -> torch.Tensor:
     """Sparse-query attention: each row sees keys at positions <= its own (and, with a window,
-    > its own - window). Shapes as the kernel's; mask: the torch path's boolean mask, when the
-    caller built it once for all layers.
+    > its own - window). Shapes as the kernel's.
 
-    backend "auto" runs the Triton kernel on CUDA tensors and the torch reference (one fused
-    SDPA call with a boolean mask) elsewhere; "torch" and "triton" force one (triton on CPU
-    works only under TRITON_INTERPRET=1).
+    backend "auto" runs the Triton kernel on CUDA tensors and, elsewhere, the blocked torch path
+    when the caller built a `BlockPlan` for the rows (once for all layers), else the reference;
+    "torch" and "triton" force one (triton on CPU works only under TRITON_INTERPRET=1).
     """
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         return sparse_query_attention(q, k, v, q_pos, scale=scale, window=window)
-    return sparse_query_attention_ref(q, k, v, q_pos, scale=scale, window=window, mask=mask)
+    if plan is not None:
+        return blocked_attention(q, k, v, plan, scale=scale)
+    return sparse_query_attention_ref(q, k, v, q_pos, scale=scale, window=window)
 
 
 @dataclass(frozen=True)
@@ -186,12 +187,14 @@ def recompute_rows(
     rope_pos = (rows if positions is None else positions.to(lm.device)[rows])[None]  # [1, M]
     h = fam.embed(input_ids.to(lm.device)[rows])[None]  # [1, M, hidden]
     rope = fam.rope(h, rope_pos)
-    masks: dict[int | None, torch.Tensor] = {}  # per sliding window: depends only on the rows
+    plans: dict[int | None, BlockPlan] = {}  # per sliding window: depends only on the rows
 
-    def mask(window: int | None) -> torch.Tensor:
-        if window not in masks:
-            masks[window] = causal_position_mask(rows[None], cache.num_tokens, window)
-        return masks[window]
+    def block_plan(window: int | None) -> BlockPlan | None:
+        if rows.is_cuda or backend == "triton":
+            return None
+        if window not in plans:
+            plans[window] = BlockPlan.build(rows, cache.num_tokens, window)
+        return plans[window]
 
     for layer in range(len(fam.layers)):
         if layer_ready is not None:
@@ -202,14 +205,14 @@ def recompute_rows(
             keep = _blend_keep(blend, rows, k, v, keys[:, :, rows], values[:, :, rows])
             rows, h, q, k, v = rows[keep], h[:, keep], q[:, :, keep], k[:, :, keep], v[:, :, keep]
             rope = {t: (cos[:, keep], sin[:, keep]) for t, (cos, sin) in rope.items()}
-            masks.clear()
+            plans.clear()
         keys[:, :, rows] = k
         values[:, :, rows] = v
         scale, window = fam.scaling(layer), fam.window(layer)
         if ape is not None:
             out = attend_ape(q, keys, values, rows[None], scale, ape, window)
         else:
-            out = attend(q, keys, values, rows[None], scale, backend, window, None if q.is_cuda else mask(window))
+            out = attend(q, keys, values, rows[None], scale, backend, window, block_plan(window))
         h = fam.finish(layer, h, out)
     logits = fam.logits(h[:, -tail:])[0].float().cpu()  # [tail, vocab], on the host for decoding
     return RecomputeResult(logits[-1], rows.cpu(), logits if tail > 1 else None)
