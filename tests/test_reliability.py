@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -196,3 +197,21 @@ def test_fuzzed_documents(eng, docs):
         return
     assert set(ids) <= set(eng.store.chunk_ids())
     assert before <= set(eng.store.chunk_ids())
+
+
+def test_reading_the_first_layers_only(eng):
+    """The aux pass reads a chunk's layers up to the deepest scoring layer: the same tensors as a
+    whole read, from memory or from disk, and a damaged file is re-encoded, not used."""
+    cid = eng.ids[0]
+    whole = eng.aux.get(cid)
+    eng.store.clear_memory()
+    part = eng.aux.get_layers(cid, None, 1)
+    assert len(part.keys) == 1 and torch.equal(part.keys[0], whole.keys[0]) and torch.equal(part.values[0], whole.values[0])
+    path = eng.store.kv_path(eng.aux.namespace, cid)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # the last layer's values: past what a partial read verifies
+    path.write_bytes(bytes(data))
+    eng.store.clear_memory()
+    again = eng.aux.get_layers(cid, None, len(whole.keys))
+    assert all(torch.equal(a, b) for a, b in zip(again.values, whole.values))
+    assert eng.store.verify()["damaged"] == []

@@ -15,7 +15,7 @@ import torch
 from .config import PromptConfig
 from .encode import Template, chat_template, encode_prefix, encode_segment, tokenize
 from .models import LoadedModel
-from .store import ChunkKV, KVStore, LayerReader
+from .store import ChunkKV, DamagedCacheError, KVStore, LayerReader
 
 PREFIX_KEY = "__shared_prefix__"
 """The store key of a namespace's shared-prefix cache (keys starting "__" are not chunks)."""
@@ -79,6 +79,27 @@ class ChunkCaches:
         if source is not None and source.token_ids.numel() > 0:
             return source
         return self.get(chunk_id, text)
+
+    def get_layers(self, chunk_id: str, text: str | None, layers: int) -> ChunkKV:
+        """The cache of a chunk cut to its first `layers` layers: from the memory tier, else only
+        those layers read (and verified) from the store, else encoded. What scores with the
+        early layers only (the aux pass) need not read the rest."""
+        source = self.store.open_layers(self.namespace, chunk_id)
+        if source is None or source.token_ids.numel() == 0:
+            source = self.get(chunk_id, text)
+        if isinstance(source, LayerReader):
+            try:
+                parts = [source.layer(i) for i in range(min(layers, source.num_layers))]
+                return ChunkKV([k for k, _ in parts], [v for _, v in parts], source.token_ids, source.offsets,
+                               source.start_pos)
+            except DamagedCacheError as err:
+                source = self.rebuild(chunk_id, err)
+            finally:
+                if isinstance(source, LayerReader):
+                    source.close()
+        if layers >= len(source.keys):
+            return source
+        return ChunkKV(source.keys[:layers], source.values[:layers], source.token_ids, source.offsets, source.start_pos)
 
     def has(self, chunk_id: str) -> bool:
         return self.store.get_kv(self.namespace, chunk_id) is not None

@@ -56,9 +56,12 @@ class Prepared:
     def prefix_kv(self) -> ChunkKV:
         return self.primary.prefix()
 
-    def aux_kvs(self) -> list[ChunkKV]:
-        """The aux model's cache of each chunk, in request order."""
-        return [self.aux.get(seg.chunk_id, seg.text) for seg in self.chunk_segments]
+    def aux_kvs(self, layers: int | None = None) -> list[ChunkKV]:
+        """The aux model's cache of each chunk, in request order; with `layers`, only the first
+        that many layers (read from the store no further)."""
+        if layers is None:
+            return [self.aux.get(seg.chunk_id, seg.text) for seg in self.chunk_segments]
+        return [self.aux.get_layers(seg.chunk_id, seg.text, layers) for seg in self.chunk_segments]
 
     def aux_prefix_kv(self) -> ChunkKV:
         return self.aux.prefix()

@@ -12,7 +12,7 @@ import time
 import torch
 
 from ..plan import Plan, Selector, register
-from ..select import map_tokens, select
+from ..select import map_tokens, scoring_layers, select
 
 
 class CacheClip(Selector):
@@ -23,7 +23,8 @@ class CacheClip(Selector):
         start = time.perf_counter()
         request, aux = prepared.request, prepared.aux
         segments = prepared.layout.chunk_segments()
-        aux_kvs = prepared.aux_kvs()
+        deepest = max(scoring_layers(aux.lm, request.select.score_layers)) + 1
+        aux_kvs = prepared.aux_kvs(layers=deepest)  # scoring stops there; so does reading
         query_ids = prepared.aux_query_ids()
         _check_aux_length(prepared, aux_kvs, query_ids)
         picks = select(aux.lm, request.select, request.ratio, prepared.aux_prefix_kv(), aux_kvs, query_ids,
