@@ -128,3 +128,28 @@ def test_two_rope_thetas_are_kept_apart():
     local, glob = fam.inv_freq(0), fam.inv_freq(2)
     assert fam.layer_types[0] == "sliding_attention" and fam.layer_types[2] == "full_attention"
     assert not torch.allclose(local, glob)
+
+
+def test_oracles_hold_in_bf16(tiny_lm):
+    """The same two oracles with the model in bf16 (the dtype "auto" picks on CUDA and AMX CPUs),
+    through the blocked attention path, within bf16 rounding."""
+    import copy
+
+    from cacheclip_rag.models import wrap
+
+    lm = wrap(copy.deepcopy(tiny_lm.model).to(torch.bfloat16), tiny_lm.tokenizer, name=tiny_lm.name + "-bf16")
+    layout, prefix_kv, kvs = _request(lm)
+    with torch.inference_mode():
+        ref = lm.model(input_ids=layout.input_ids[None], cache=DynamicCache(), use_cache=True).logits[0, -1].float()
+    full = recompute_rows(lm, assemble(lm, layout, prefix_kv, kvs), layout.input_ids, torch.arange(layout.prefix_len, layout.num_tokens)).logits
+    assert (full - ref).abs().max() <= 0.05 * ref.abs().max()
+    assert int(full.argmax()) == int(ref.argmax())
+    layout, prefix_kv, kvs = _request(lm, with_separators=False)
+    cache = assemble(lm, layout, prefix_kv, kvs)
+    question = layout.segments[-1]
+    reused = [(k[:, :, : question.start].clone(), v[:, :, : question.start].clone()) for k, v in zip(cache.keys, cache.values)]
+    zero = recompute_rows(lm, cache, layout.input_ids, layout.uncached_rows()).logits
+    with torch.inference_mode():
+        direct = lm.model(input_ids=question.ids[None], cache=DynamicCache(reused), use_cache=True,
+                          position_ids=torch.arange(question.start, question.end)[None]).logits[0, -1].float()
+    assert (zero - direct).abs().max() <= 0.05 * direct.abs().max()
