@@ -393,7 +393,8 @@ def _common(p: argparse.ArgumentParser, store_default: str | None = "cacheclip-s
     p.add_argument("--aux", default=DEFAULT_AUX, help="auxiliary (selector) model")
     _dtype_arg(p)
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
-                   help="storage dtype of the chunk caches (auto: the compute dtype); kept in its own namespace")
+                   help="storage dtype of the chunk caches (auto: bf16 for float32 models, else the compute dtype); "
+                   "each has its own namespace")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -456,8 +457,6 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("models", help="verify and convert the embedded default models (once)")
     _dtype_arg(p)
-    p.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
-                   help="storage dtype of the chunk caches (auto: the compute dtype); kept in its own namespace")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_models)
 

@@ -87,8 +87,8 @@ class ApeSpec:
     """
 
     context: torch.Tensor
-    temperature: float = 0.9
-    scale: float = 0.9
+    temperature: float = 1.0
+    scale: float = 1.0
 
 
 @dataclass(frozen=True)
