@@ -119,8 +119,9 @@ class Family:
 
     # ----- whole-sequence prefill -------------------------------------------------------------
 
-    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None):
-        """The model's own forward over input_ids [N] keeping every row of every layer's K/V.
+    def prefill(self, input_ids: torch.Tensor | None, positions: torch.Tensor | None = None, embeds: torch.Tensor | None = None):
+        """The model's own forward over input_ids [N] (or input embeddings [N, hidden], as
+        `embed` makes them) keeping every row of every layer's K/V.
 
         transformers' default cache keeps only the last window of a sliding layer; chunk caches
         and the oracle need all rows, so the cache here is one without a config.
@@ -128,6 +129,8 @@ class Family:
         """
         dev = self.model.device
         pos = None if positions is None else positions.reshape(1, -1).to(dev)
+        if embeds is not None:
+            return self.base(inputs_embeds=embeds[None].to(dev), position_ids=pos, cache=DynamicCache(), use_cache=True)
         return self.base(input_ids=input_ids.reshape(1, -1).to(dev), position_ids=pos, cache=DynamicCache(), use_cache=True)
 
 
