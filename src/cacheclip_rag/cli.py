@@ -145,6 +145,35 @@ def cmd_models(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    """Train KV Packet adapters for the primary model by self-distillation; write them to --out."""
+    from .models import load
+    from .train import TrainConfig, save_adapters, train
+
+    cfg = TrainConfig(samples=args.samples, held_out=args.held_out, epochs=args.epochs, length=args.length,
+                      chunk_tokens=args.chunk_tokens, answer_tokens=args.answer_tokens, n_header=args.n_header,
+                      n_trailer=args.n_trailer, lr=args.lr, seed=args.seed)
+    lm = load(args.primary, ModelConfig(dtype=args.dtype))
+    print(describe_cpu() + f"; training in {str(lm.dtype).removeprefix('torch.')}")
+    from tqdm import tqdm
+
+    bar = tqdm(total=cfg.samples * cfg.epochs, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    def step(message: str) -> None:
+        bar.set_postfix_str(message)
+        bar.update(1)
+
+    start = time.perf_counter()
+    adapters, curve = train(lm, cfg, progress=step)
+    bar.close()
+    sha = save_adapters(args.out, adapters, lm, cfg, curve)
+    print(f"{'epoch':>5} {'train KL':>9} {'held-out KL':>12}")
+    for row in curve:
+        print(f"{row['epoch']:>5} {row['train_loss']:>9.4f} {row['held_out_kl']:>12.4f}")
+    print(f"adapters for {lm.name} -> {args.out} (sha256 {sha}); {time.perf_counter() - start:.0f} s")
+    return 0
+
+
 def cmd_calibrate(args) -> int:
     from .calibrate import table
 
@@ -448,6 +477,20 @@ def parser() -> argparse.ArgumentParser:
                    help="kl: mean KL over the answer; hard: divergence left where reuse diverges most")
     p.add_argument("--json", default=None)
     p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("train", help="train KV Packet adapters for the primary model (self-distillation)")
+    p.add_argument("what", choices=["packet"])
+    p.add_argument("--primary", default=DEFAULT_PRIMARY, help="the model the adapters are for")
+    _dtype_arg(p)
+    p.add_argument("--out", required=True, help="safetensors file to write")
+    from .train import TrainConfig
+
+    defaults = TrainConfig()
+    for name in ("samples", "held_out", "epochs", "length", "chunk_tokens", "answer_tokens", "n_header", "n_trailer", "seed"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("store", help="inspect or heal a store: stats, verify, repair")
     _common(p)

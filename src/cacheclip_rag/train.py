@@ -1,0 +1,178 @@
+"""Offline: train KV Packet adapters for a primary model by self-distillation (issue 15).
+
+Teacher: the frozen model's own greedy continuation G of [prefix, D_1..D_M, Q] under full
+attention, and its log-probabilities over G. Student: the same request with every document a
+packet (`packets.student_logits`, the parallel form). Loss: KL(teacher || student) on G's rows;
+only the adapters get gradients. Training documents are generated needle haystacks with seeds
+disjoint from every evaluation and calibration seed (TRAIN_SEED_BASE and up), mixed over all
+eight needle variants. Adapters are saved as safetensors with the model fingerprint, their shape
+and sha256; loading checks all three.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .chunking import encode_text
+from .config import PromptConfig
+from .encode import chat_template, tokenize
+from .models import LoadedModel
+from .niah import VARIANTS, generate
+from .packets import Adapters, student_logits
+
+log = logging.getLogger(__name__)
+
+TRAIN_SEED_BASE = 5_000_000
+"""Training samples use seeds from here on: above the evaluation (< 1,000,000) and calibration ranges."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """samples: generated training requests (held_out more for the held-out KL); length: context
+    tokens per request; chunk_tokens: tokens per document (packet); answer_tokens: |G|."""
+
+    samples: int = 64
+    held_out: int = 8
+    epochs: int = 3
+    length: int = 512
+    chunk_tokens: int = 128
+    answer_tokens: int = 8
+    n_header: int = 8
+    n_trailer: int = 8
+    lr: float = 5e-3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("samples", "held_out", "epochs", "length", "chunk_tokens", "answer_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "held_out" else 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.lr, (int, float)) or not 0 < self.lr < 1:
+            raise ValueError(f"lr must be a number in (0, 1), got {self.lr!r}")
+
+
+@dataclass
+class Example:
+    """One training request: documents [ids], the tail Q + G[:-1] and the teacher's log-probs [|G|, vocab]."""
+
+    docs: list[torch.Tensor]
+    tail: torch.Tensor
+    teacher: torch.Tensor
+
+
+@torch.inference_mode()
+def make_example(lm: LoadedModel, prefix_ids: torch.Tensor, suffix: str, prompt: PromptConfig, variant: str,
+                 seed: int, cfg: TrainConfig) -> Example:
+    sample = generate(variant, cfg.length, seed, lm.tokenizer)
+    ids, _ = encode_text(lm.tokenizer, sample.context)
+    docs = [torch.tensor(ids[i : i + cfg.chunk_tokens]) for i in range(0, len(ids), cfg.chunk_tokens)]
+    question = prompt.question_template.format(question=sample.question)
+    q = torch.cat([tokenize(lm, question)[0], tokenize(lm, suffix, special=True)[0]])
+    seq = torch.cat([prefix_ids, *docs, q])
+    generated = []
+    out = lm.model(input_ids=seq[None].to(lm.device), use_cache=True)
+    cache, logits = out.cache, out.logits[0, -1]
+    rows = [logits.float().log_softmax(-1)]
+    for t in range(cfg.answer_tokens - 1):
+        token = int(logits.argmax())
+        generated.append(token)
+        out = lm.model(input_ids=torch.tensor([[token]], device=lm.device), cache=cache, use_cache=True,
+                       position_ids=torch.tensor([[seq.numel() + t]], device=lm.device))
+        cache, logits = out.cache, out.logits[0, -1]
+        rows.append(logits.float().log_softmax(-1))
+    tail = torch.cat([q, torch.tensor(generated, dtype=torch.long)])
+    return Example(docs, tail, torch.stack(rows).cpu())
+
+
+def kl(lm: LoadedModel, adapters: Adapters, prefix_ids: torch.Tensor, ex: Example) -> torch.Tensor:
+    """KL(teacher || student) per generated token, averaged over them."""
+    student = student_logits(lm, adapters, prefix_ids, ex.docs, ex.tail)[-ex.teacher.shape[0] :].log_softmax(-1)
+    return torch.nn.functional.kl_div(student, ex.teacher.to(student.device), log_target=True, reduction="batchmean")
+
+
+def train(lm: LoadedModel, cfg: TrainConfig, prompt: PromptConfig | None = None,
+          progress: Callable[[str], None] | None = None) -> tuple[Adapters, list[dict]]:
+    """Train adapters for `lm`; returns them and the per-epoch curve (train loss, held-out KL)."""
+    prompt = prompt or PromptConfig()
+    template = chat_template(lm, prompt)
+    prefix_ids, _ = tokenize(lm, template.prefix, special=True)
+    rng = random.Random(cfg.seed)
+    variants = list(VARIANTS)
+    seeds = range(TRAIN_SEED_BASE + cfg.seed * 100_000, TRAIN_SEED_BASE + cfg.seed * 100_000 + cfg.samples + cfg.held_out)
+    examples = [make_example(lm, prefix_ids, template.suffix, prompt, variants[i % len(variants)], s, cfg)
+                for i, s in enumerate(seeds)]
+    train_set, held = examples[: cfg.samples], examples[cfg.samples :]
+    for p in lm.model.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(cfg.seed)
+    adapters = Adapters.initial(lm, cfg.n_header, cfg.n_trailer, seed=cfg.seed)
+    adapters.header.requires_grad_(True)
+    adapters.trailer.requires_grad_(True)
+    opt = torch.optim.Adam([adapters.header, adapters.trailer], lr=cfg.lr)
+
+    def held_kl() -> float:
+        with torch.no_grad():
+            return sum(kl(lm, adapters, prefix_ids, ex).item() for ex in held) / len(held) if held else float("nan")
+
+    curve = [dict(epoch=0, train_loss=float("nan"), held_out_kl=held_kl())]
+    for epoch in range(1, cfg.epochs + 1):
+        order = list(range(len(train_set)))
+        rng.shuffle(order)
+        total = 0.0
+        for step, i in enumerate(order, 1):
+            loss = kl(lm, adapters, prefix_ids, train_set[i])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += loss.item()
+            if progress:
+                progress(f"epoch {epoch}/{cfg.epochs} step {step}/{len(order)} loss {loss.item():.4f}")
+        curve.append(dict(epoch=epoch, train_loss=total / len(order), held_out_kl=held_kl()))
+        log.info("epoch %d: train KL %.4f, held-out KL %.4f", epoch, curve[-1]["train_loss"], curve[-1]["held_out_kl"])
+    return Adapters(adapters.header.detach().clone(), adapters.trailer.detach().clone()), curve
+
+
+def save_adapters(path: str | Path, adapters: Adapters, lm: LoadedModel, cfg: TrainConfig, curve: list[dict]) -> str:
+    """Write the adapters as safetensors with what loading checks; returns their sha256 (the pin)."""
+    tensors = {"header": adapters.header.to(torch.float32).contiguous(), "trailer": adapters.trailer.to(torch.float32).contiguous()}
+    meta = {"kind": "cacheclip-kv-packet-adapters", "model": lm.name, "fingerprint": lm.fingerprint,
+            "hidden_size": str(lm.config.hidden_size), "sha256": adapters.digest(),
+            "train_config": json.dumps(asdict(cfg)), "curve": json.dumps(curve)}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path)
+    return meta["sha256"]
+
+
+def load_adapters(path: str | Path, lm: LoadedModel) -> Adapters:
+    """Adapters saved for `lm`; a damaged file, or one trained for another model, is a ValueError
+    naming the file and what was expected."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            header, trailer = fh.get_tensor("header"), fh.get_tensor("trailer")
+    except Exception as err:  # noqa: BLE001 - any parse failure means a damaged file
+        raise ValueError(f"{path}: not a readable KV Packet adapter file ({err})") from err
+    if meta.get("kind") != "cacheclip-kv-packet-adapters":
+        raise ValueError(f"{path}: expected KV Packet adapters (metadata kind), got {meta.get('kind')!r}")
+    if meta.get("fingerprint") != lm.fingerprint:
+        raise ValueError(f"{path}: adapters for model fingerprint {meta.get('fingerprint')!r} "
+                         f"({meta.get('model')!r}); this model {lm.name!r} is {lm.fingerprint!r}")
+    adapters = Adapters(header, trailer)
+    if header.shape[-1] != lm.config.hidden_size or trailer.shape[-1] != lm.config.hidden_size:
+        raise ValueError(f"{path}: adapters of width {header.shape[-1]}, the model's hidden size is {lm.config.hidden_size}")
+    if adapters.digest() != meta.get("sha256"):
+        raise ValueError(f"{path}: adapter tensors hash to {adapters.digest()}, the file records {meta.get('sha256')!r}")
+    return adapters

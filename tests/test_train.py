@@ -1,0 +1,57 @@
+"""`cacheclip train packet` on a tiny model: it trains, writes pinned adapters, and loading checks them."""
+
+import pytest
+import torch
+
+from cacheclip_rag.cli import main
+from cacheclip_rag.models import load
+from cacheclip_rag.train import TrainConfig, load_adapters
+
+
+@pytest.fixture
+def folder(tiny_pair, tmp_path):
+    primary, _ = tiny_pair
+    path = tmp_path / "primary"
+    primary.model.save_pretrained(path)
+    primary.tokenizer.save_pretrained(path)
+    return path
+
+
+def test_train_packet_writes_adapters_that_load(folder, tmp_path, capsys):
+    out = tmp_path / "adapters.safetensors"
+    rc = main(["train", "packet", "--primary", str(folder), "--dtype", "float32", "--out", str(out), "--samples", "2",
+               "--held-out", "1", "--epochs", "2", "--length", "96", "--chunk-tokens", "32", "--answer-tokens", "3",
+               "--n-header", "2", "--n-trailer", "2"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "held-out KL" in text and "sha256" in text
+    lm = load(str(folder))
+    adapters = load_adapters(out, lm)
+    assert adapters.header.shape == (2, lm.config.hidden_size) and adapters.header.dtype == torch.float32
+
+
+def test_damaged_or_foreign_adapters_are_refused(folder, tmp_path, tiny_pair):
+    from cacheclip_rag.packets import Adapters
+    from cacheclip_rag.train import save_adapters
+
+    lm = load(str(folder))
+    path = tmp_path / "a.safetensors"
+    save_adapters(path, Adapters.initial(lm, 2, 2), lm, TrainConfig(), [])
+    assert load_adapters(path, lm).header.shape[0] == 2
+    _, aux = tiny_pair
+    with pytest.raises(ValueError, match="adapters for model fingerprint"):
+        load_adapters(path, aux)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=str(path.name)):
+        load_adapters(path, lm)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a file")
+    with pytest.raises(ValueError, match="junk.safetensors: not a readable"):
+        load_adapters(tmp_path / "junk.safetensors", lm)
+
+
+@pytest.mark.parametrize("field, value", [("samples", 0), ("epochs", -1), ("lr", 2.0), ("length", 1.5)])
+def test_bad_training_config_is_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        TrainConfig(**{field: value})
