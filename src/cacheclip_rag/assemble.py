@@ -88,17 +88,18 @@ def build_layout(prefix_ids: torch.Tensor, pieces: list[tuple[str, str | None]],
     return Layout(torch.cat(ids), int(prefix_ids.numel()), tuple(segments))
 
 
-def rerotate(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
+def rerotate(keys: torch.Tensor, delta: int | torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Move RoPE keys [..., T, D] by `delta` positions: k cos(d) + rotate_half(k) sin(d).
 
-    Computed in fp32 and cast back. RoPE rotations compose, so a key rotated for position p
-    becomes exactly the key for p + delta; attention scaling is already inside the cached key.
+    delta: one int for every row, or [T] per row. Computed in fp32 and cast back (differentiable
+    in `keys`). RoPE rotations compose, so a key rotated for position p becomes exactly the key
+    for p + delta; attention scaling is already inside the cached key.
     """
-    if delta == 0:
+    if isinstance(delta, int) and delta == 0:
         return keys
-    angle = delta * inv_freq.to(torch.float64)
-    cos = torch.cat([angle.cos(), angle.cos()]).to(torch.float32).to(keys.device)
-    sin = torch.cat([angle.sin(), angle.sin()]).to(torch.float32).to(keys.device)
+    angle = torch.as_tensor(delta, dtype=torch.float64)[..., None] * inv_freq.to(torch.float64).cpu()  # [(T,) D/2]
+    cos = torch.cat([angle.cos(), angle.cos()], dim=-1).to(torch.float32).to(keys.device)
+    sin = torch.cat([angle.sin(), angle.sin()], dim=-1).to(torch.float32).to(keys.device)
     k = keys.to(torch.float32)
     half = k.shape[-1] // 2
     rotated = torch.cat([-k[..., half:], k[..., :half]], dim=-1)

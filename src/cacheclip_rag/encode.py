@@ -60,7 +60,7 @@ def tokenize(lm: LoadedModel, text: str, special: bool = False) -> tuple[torch.T
     return torch.tensor(ids, dtype=torch.long), torch.tensor(offsets, dtype=torch.long).reshape(-1, 2)
 
 
-def _layers_kv(cache, start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def layers_kv(cache, start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per layer K/V from `start` on, on the host (stored caches and the memory tier live there)."""
     keys = [layer.keys[0, :, start:].to("cpu", copy=True).contiguous() for layer in cache.layers]
     values = [layer.values[0, :, start:].to("cpu", copy=True).contiguous() for layer in cache.layers]
@@ -73,7 +73,7 @@ def encode_prefix(lm: LoadedModel, prefix: str) -> ChunkKV:
     ids, offsets = tokenize(lm, prefix, special=True)
     if ids.numel() == 0:
         raise ValueError("the shared prefix tokenizes to nothing; set PromptConfig.system_prompt")
-    keys, values = _layers_kv(lm.family.prefill(ids).cache, 0)
+    keys, values = layers_kv(lm.family.prefill(ids).cache, 0)
     return ChunkKV(keys, values, ids, offsets, start_pos=0)
 
 
@@ -84,5 +84,5 @@ def encode_segment(lm: LoadedModel, prefix_ids: torch.Tensor, text: str) -> Chun
     if ids.numel() == 0:
         raise ValueError(f"segment {text[:40]!r} tokenizes to nothing")
     p = prefix_ids.numel()
-    keys, values = _layers_kv(lm.family.prefill(torch.cat([prefix_ids, ids])).cache, p)
+    keys, values = layers_kv(lm.family.prefill(torch.cat([prefix_ids, ids])).cache, p)
     return ChunkKV(keys, values, ids, offsets, start_pos=p)

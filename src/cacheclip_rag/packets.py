@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .encode import _layers_kv
+from .assemble import rerotate
+from .encode import layers_kv
 from .models import LoadedModel
 from .store import ChunkKV
 
@@ -79,24 +80,13 @@ def packet_cache(lm: LoadedModel, adapters: Adapters, prefix_ids: torch.Tensor, 
     """The sequential form: prefill prefix + packet; keep the packet's rows (keys rotated for
     positions [P, P + N_h + T + N_t)). Soft rows carry token id SOFT_TOKEN and an empty span."""
     embeds = torch.cat([lm.family.embed(prefix_ids.to(lm.device)), wrap(lm, adapters, ids)])
-    keys, values = _layers_kv(lm.family.prefill(None, embeds=embeds).cache, int(prefix_ids.numel()))
+    keys, values = layers_kv(lm.family.prefill(None, embeds=embeds).cache, int(prefix_ids.numel()))
     n_h, n_t = int(adapters.header.shape[0]), int(adapters.trailer.shape[0])
     token_ids = torch.cat([torch.full((n_h,), SOFT_TOKEN), ids.cpu(), torch.full((n_t,), SOFT_TOKEN)])
     spans = torch.cat([torch.zeros(n_h, 2, dtype=torch.long), offsets.cpu(), offsets[-1:].cpu().expand(n_t, 2).clone()])
     if n_h:
         spans[:n_h] = offsets[:1].cpu()
     return ChunkKV(keys, values, token_ids, spans, start_pos=int(prefix_ids.numel()))
-
-
-def _shift(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate RoPE keys [B, H, N, D] by a per-row number of positions delta [N] (differentiable)."""
-    angle = delta.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]  # [N, D/2]
-    cos = torch.cat([angle.cos(), angle.cos()], dim=-1).to(torch.float32).to(keys.device)
-    sin = torch.cat([angle.sin(), angle.sin()], dim=-1).to(torch.float32).to(keys.device)
-    k = keys.to(torch.float32)
-    half = k.shape[-1] // 2
-    rotated = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
-    return (k * cos + rotated * sin).to(keys.dtype)
 
 
 def student_logits(lm: LoadedModel, adapters: Adapters, prefix_ids: torch.Tensor, docs: list[torch.Tensor],
@@ -138,7 +128,7 @@ def student_logits(lm: LoadedModel, adapters: Adapters, prefix_ids: torch.Tensor
         scale, gqa = fam.scaling(layer), qs.shape[1] != k.shape[1]
         if fam.window(layer) is not None:
             raise ValueError("packet training on sliding-window layers is not supported yet")
-        placed = _shift(k, delta.to(dev), fam.inv_freq(layer))
+        placed = rerotate(k, delta, fam.inv_freq(layer))
         out_inner = F.scaled_dot_product_attention(qs[:, :, : n_all - q], k, v, attn_mask=inner, scale=scale, enable_gqa=gqa)
         out_tail = F.scaled_dot_product_attention(qs[:, :, n_all - q :], placed, v, attn_mask=causal, scale=scale, enable_gqa=gqa)
         h = fam.finish(layer, h, torch.cat([out_inner, out_tail], dim=2))
