@@ -88,15 +88,15 @@ class ChunkCaches:
         if source is None or source.token_ids.numel() == 0:
             source = self.get(chunk_id, text)
         if isinstance(source, LayerReader):
+            reader = source
             try:
-                parts = [source.layer(i) for i in range(min(layers, source.num_layers))]
-                return ChunkKV([k for k, _ in parts], [v for _, v in parts], source.token_ids, source.offsets,
-                               source.start_pos)
+                parts = [reader.layer(i) for i in range(min(layers, reader.num_layers))]
+                return ChunkKV([k for k, _ in parts], [v for _, v in parts], reader.token_ids, reader.offsets,
+                               reader.start_pos)
             except DamagedCacheError as err:
                 source = self.rebuild(chunk_id, err)
             finally:
-                if isinstance(source, LayerReader):
-                    source.close()
+                reader.close()
         if layers >= len(source.keys):
             return source
         return ChunkKV(source.keys[:layers], source.values[:layers], source.token_ids, source.offsets, source.start_pos)
