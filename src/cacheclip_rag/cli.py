@@ -155,17 +155,8 @@ def cmd_train(args) -> int:
                       n_trailer=args.n_trailer, lr=args.lr, seed=args.seed)
     lm = load(args.primary, ModelConfig(dtype=args.dtype))
     print(describe_cpu() + f"; training in {str(lm.dtype).removeprefix('torch.')}")
-    from tqdm import tqdm
-
-    bar = tqdm(total=cfg.samples * cfg.epochs, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
-
-    def step(message: str) -> None:
-        bar.set_postfix_str(message)
-        bar.update(1)
-
     start = time.perf_counter()
-    adapters, curve = train(lm, cfg, progress=step)
-    bar.close()
+    adapters, curve = train(lm, cfg, progress=_progress_bar(cfg.samples * cfg.epochs, "train", "step"))
     sha = save_adapters(args.out, adapters, lm, cfg, curve)
     print(f"{'epoch':>5} {'train KL':>9} {'held-out KL':>12}")
     for row in curve:
@@ -306,13 +297,12 @@ def _print_versus(args, results: list, rows: list[dict], metric: str, title: str
     return pairs
 
 
-def _progress(args):
-    """A progress bar on stderr over the needle-suite samples a bench runs (they take minutes each
-    at 4K on a CPU); called with a message after each sample."""
+def _progress_bar(total: int, desc: str, unit: str):
+    """A progress bar on stderr for a long job; the returned step(message) is called after each
+    of its `total` units (the bar closes itself after the last)."""
     from tqdm import tqdm
 
-    total = len(args.lengths) * len(args.variants or needle_variants()) * args.samples
-    bar = tqdm(total=total, desc="samples", unit="sample", file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
 
     def step(message: str) -> None:
         bar.set_postfix_str(message)
@@ -323,10 +313,11 @@ def _progress(args):
     return step
 
 
-def needle_variants() -> tuple[str, ...]:
+def _progress(args):
+    """The progress bar over the needle-suite samples a bench runs (minutes each at 4K on a CPU)."""
     from .niah import VARIANTS
 
-    return VARIANTS
+    return _progress_bar(len(args.lengths) * len(args.variants or VARIANTS) * args.samples, "samples", "sample")
 
 
 def _bench_deviation(args) -> int:

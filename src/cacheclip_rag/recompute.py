@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from cacheclip_kernels import BlockPlan, blocked_attention, causal_position_mask, sparse_query_attention, sparse_query_attention_ref
 
 from .models import LoadedModel
@@ -51,12 +50,12 @@ class AssembledCache:
         return cls(keys, values)
 
 
-def decoder(lm: LoadedModel) -> nn.Module:
-    """The base model (embeddings, layers, final norm, rotary embedding) without the LM head."""
-    return lm.model.model
-
-
 BACKENDS = ("auto", "torch", "triton")
+
+
+def uses_kernel(backend: str, on_cuda: bool) -> bool:
+    """Whether `attend` runs the Triton kernel (else a torch path) for this backend and device."""
+    return backend == "triton" or (backend == "auto" and on_cuda)
 
 
 def attend(
@@ -70,7 +69,7 @@ def attend(
     when the caller built a `BlockPlan` for the rows (once for all layers), else the reference;
     "torch" and "triton" force one (triton on CPU works only under TRITON_INTERPRET=1).
     """
-    if backend == "triton" or (backend == "auto" and q.is_cuda):
+    if uses_kernel(backend, q.is_cuda):
         return sparse_query_attention(q, k, v, q_pos, scale=scale, window=window)
     if plan is not None:
         return blocked_attention(q, k, v, plan, scale=scale)
@@ -190,8 +189,8 @@ def recompute_rows(
     plans: dict[int | None, BlockPlan] = {}  # per sliding window: depends only on the rows
 
     def block_plan(window: int | None) -> BlockPlan | None:
-        if rows.is_cuda or backend == "triton":
-            return None
+        if uses_kernel(backend, rows.is_cuda):
+            return None  # the kernel skips unseen keys itself
         if window not in plans:
             plans[window] = BlockPlan.build(rows, cache.num_tokens, window)
         return plans[window]

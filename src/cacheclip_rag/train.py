@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from .chunking import encode_text
 from .config import PromptConfig
 from .encode import chat_template, tokenize
+from .generate import hf_step
 from .models import LoadedModel
 from .niah import VARIANTS, generate
 from .packets import Adapters, student_logits
@@ -78,17 +79,14 @@ def make_example(lm: LoadedModel, prefix_ids: torch.Tensor, suffix: str, prompt:
     question = prompt.question_template.format(question=sample.question)
     q = torch.cat([tokenize(lm, question)[0], tokenize(lm, suffix, special=True)[0]])
     seq = torch.cat([prefix_ids, *docs, q])
-    generated = []
-    out = lm.model(input_ids=seq[None].to(lm.device), use_cache=True)
-    cache, logits = out.cache, out.logits[0, -1]
-    rows = [logits.float().log_softmax(-1)]
-    for t in range(cfg.answer_tokens - 1):
-        token = int(logits.argmax())
-        generated.append(token)
-        out = lm.model(input_ids=torch.tensor([[token]], device=lm.device), cache=cache, use_cache=True,
-                       position_ids=torch.tensor([[seq.numel() + t]], device=lm.device))
-        cache, logits = out.cache, out.logits[0, -1]
-        rows.append(logits.float().log_softmax(-1))
+    out = lm.model(input_ids=seq[None].to(lm.device), use_cache=True, logits_to_keep=1)
+    step = hf_step(lm, out.cache, seq.numel())
+    logits, generated, rows = out.logits[0, -1].float().cpu(), [], []
+    for t in range(cfg.answer_tokens):
+        rows.append(logits.log_softmax(-1))
+        if t + 1 < cfg.answer_tokens:
+            generated.append(int(logits.argmax()))
+            logits = step(generated[-1], t)
     tail = torch.cat([q, torch.tensor(generated, dtype=torch.long)])
     return Example(docs, tail, torch.stack(rows).cpu())
 
