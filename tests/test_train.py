@@ -5,7 +5,8 @@ import torch
 
 from cacheclip_rag.cli import main
 from cacheclip_rag.models import load
-from cacheclip_rag.train import TrainConfig, load_adapters
+from cacheclip_rag.packets import load_adapters
+from cacheclip_rag.train import TrainConfig
 
 
 @pytest.fixture
@@ -17,7 +18,7 @@ def folder(tiny_pair, tmp_path):
     return path
 
 
-def test_train_packet_writes_adapters_that_load(folder, tmp_path, capsys):
+def test_train_packet_writes_adapters_that_load_and_serve(folder, tiny_pair, tmp_path, capsys):
     out = tmp_path / "adapters.safetensors"
     rc = main(["train", "packet", "--primary", str(folder), "--dtype", "float32", "--out", str(out), "--samples", "2",
                "--held-out", "1", "--epochs", "2", "--length", "96", "--chunk-tokens", "32", "--answer-tokens", "3",
@@ -29,6 +30,20 @@ def test_train_packet_writes_adapters_that_load(folder, tmp_path, capsys):
     adapters = load_adapters(out, lm)
     assert adapters.header.shape == (2, lm.config.hidden_size) and adapters.header.dtype == torch.float32
 
+    # The trained file serves the packet modes through the CLI's benches, side by side with the rest.
+    _, aux = tiny_pair
+    aux_folder = tmp_path / "aux"
+    aux.model.save_pretrained(aux_folder)
+    aux.tokenizer.save_pretrained(aux_folder)
+    store = str(tmp_path / "store")
+    rc = main(["bench", "niah", "--store", store, "--primary", str(folder), "--aux", str(aux_folder), "--adapters",
+               str(out), "--lengths", "150", "--samples", "1", "--variants", "single_2", "--modes", "reuse", "packet",
+               "packet+cacheclip", "--ratios", "0.5", "--chunk-tokens", "48", "--max-new-tokens", "2"])
+    printed = capsys.readouterr().out
+    assert rc == 0 and "packet+cacheclip@0.5" in printed and "packet " in printed
+    assert main(["store", "stats", "--store", store, "--adapters", str(out)]) == 0
+    assert "KV Packet adapters" in capsys.readouterr().out
+
 
 def test_damaged_or_foreign_adapters_are_refused(folder, tmp_path, tiny_pair):
     from cacheclip_rag.packets import Adapters
@@ -39,7 +54,7 @@ def test_damaged_or_foreign_adapters_are_refused(folder, tmp_path, tiny_pair):
     save_adapters(path, Adapters.initial(lm, 2, 2), lm, TrainConfig(), [])
     assert load_adapters(path, lm).header.shape[0] == 2
     _, aux = tiny_pair
-    with pytest.raises(ValueError, match="adapters for model fingerprint"):
+    with pytest.raises(ValueError, match="adapters for model"):
         load_adapters(path, aux)
     data = bytearray(path.read_bytes())
     data[-3] ^= 0xFF

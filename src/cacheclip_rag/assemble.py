@@ -68,12 +68,14 @@ class Layout:
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
 
-def build_layout(prefix_ids: torch.Tensor, pieces: list[tuple[str, str | None]], tokenize, suffix: str = "") -> Layout:
+def build_layout(prefix_ids: torch.Tensor, pieces: list[tuple[str, str | None]], tokenize, suffix: str = "",
+                 wrap=None) -> Layout:
     """Tokenize each piece on its own and place the pieces after the prefix.
 
     pieces: (text, chunk_id or None) in order: user content. suffix: the template text that
     closes the request (its special tokens are parsed). tokenize: (text, special) -> (ids [T],
-    offsets [T, 2]).
+    offsets [T, 2]). wrap: for a packet request, (ids, offsets) -> the chunk's rows as its packet
+    cache holds them (`packets.wrap_ids`: soft rows around the tokens); plain text is never wrapped.
     """
     segments = []
     pos = int(prefix_ids.numel())
@@ -82,6 +84,8 @@ def build_layout(prefix_ids: torch.Tensor, pieces: list[tuple[str, str | None]],
         seg_ids, offsets = tokenize(text, special)
         if seg_ids.numel() == 0:
             continue
+        if wrap is not None and cid is not None:
+            seg_ids, offsets = wrap(seg_ids, offsets)
         segments.append(Segment(text, cid, pos, seg_ids, offsets))
         ids.append(seg_ids)
         pos += int(seg_ids.numel())

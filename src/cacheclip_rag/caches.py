@@ -15,27 +15,34 @@ import torch
 from .config import PromptConfig
 from .encode import Template, chat_template, encode_prefix, encode_segment, tokenize
 from .models import LoadedModel
+from .packets import Adapters, packet_cache
 from .store import ChunkKV, DamagedCacheError, KVStore, LayerReader
 
 PREFIX_KEY = "__shared_prefix__"
 """The store key of a namespace's shared-prefix cache (keys starting "__" are not chunks)."""
 
 
-def namespace_of(lm: LoadedModel, prefix_ids: torch.Tensor, storage: torch.dtype | None = None) -> str:
-    """The store namespace of a model, shared prefix and storage dtype: caches are valid only
-    for all three (a storage dtype equal to the compute dtype adds nothing to the hash, so
-    stores written before storage dtypes existed keep their namespaces)."""
+def namespace_of(lm: LoadedModel, prefix_ids: torch.Tensor, storage: torch.dtype | None = None,
+                 packets: str | None = None) -> str:
+    """The store namespace of a model, shared prefix, storage dtype and (packet caches) the
+    adapters' digest: caches are valid only for all of them (a storage dtype equal to the compute
+    dtype adds nothing to the hash, so stores written before storage dtypes existed keep their
+    namespaces; plain and packet caches never share one)."""
     digest = hashlib.sha256(lm.fingerprint.encode())
     digest.update(prefix_ids.numpy().tobytes())
     if storage is not None and storage != lm.dtype:
         digest.update(f"storage={storage}".encode())
+    if packets is not None:
+        digest.update(f"packets={packets}".encode())
     return digest.hexdigest()[:32]
 
 
 @dataclass
 class ChunkCaches:
     """A model with its prompt frame (template, shared-prefix ids [P]) and its caches in a store,
-    kept in `storage` dtype (every cache this hands out is in it, encoded or read)."""
+    kept in `storage` dtype (every cache this hands out is in it, encoded or read). With
+    `adapters`, the caches are KV Packets: each chunk wrapped in the adapters' header and
+    trailer before it is encoded, in a namespace of their own."""
 
     lm: LoadedModel
     template: Template
@@ -44,17 +51,24 @@ class ChunkCaches:
     store: KVStore
     role: str
     storage: torch.dtype
+    adapters: Adapters | None = None
 
     @classmethod
-    def open(cls, lm: LoadedModel, store: KVStore, prompt: PromptConfig, role: str) -> ChunkCaches:
+    def open(cls, lm: LoadedModel, store: KVStore, prompt: PromptConfig, role: str,
+             adapters: Adapters | None = None) -> ChunkCaches:
         """Frame `lm` for `prompt`, record its namespace in the store and make sure the shared
         prefix's cache is there and current."""
         template = chat_template(lm, prompt)
         prefix_ids, _ = tokenize(lm, template.prefix, special=True)
         storage = store.cfg.storage_dtype(lm.dtype)
-        caches = cls(lm, template, prefix_ids, namespace_of(lm, prefix_ids, storage), store, role, storage)
-        store.describe_namespace(caches.namespace, {"role": role, "model": lm.name, "fingerprint": lm.fingerprint,
-                                                    "dtype": _name(lm.dtype), "kv_dtype": _name(storage)})
+        digest = adapters.digest() if adapters is not None else None
+        caches = cls(lm, template, prefix_ids, namespace_of(lm, prefix_ids, storage, digest), store, role, storage,
+                     adapters)
+        about = {"role": role, "model": lm.name, "fingerprint": lm.fingerprint, "dtype": _name(lm.dtype),
+                 "kv_dtype": _name(storage)}
+        if digest is not None:
+            about["packets"] = {"adapters": digest, "n_header": adapters.shape[0], "n_trailer": adapters.shape[1]}
+        store.describe_namespace(caches.namespace, about)
         if not torch.equal(caches.prefix().token_ids, prefix_ids):  # a prefix cached under other ids
             caches.store.put_kv(caches.namespace, PREFIX_KEY, encode_prefix(lm, template.prefix).to(storage))
         return caches
@@ -104,14 +118,22 @@ class ChunkCaches:
     def has(self, chunk_id: str) -> bool:
         return self.store.get_kv(self.namespace, chunk_id) is not None
 
+    @property
+    def packets(self) -> bool:
+        return self.adapters is not None
+
     def encode(self, chunk_id: str, text: str | None = None) -> ChunkKV:
-        """Prefill the chunk after the shared prefix and store its cache."""
+        """Prefill the chunk (as a packet, with adapters) after the shared prefix and store its cache."""
         if text is None:
             chunk = self.store.get_chunk(chunk_id)
             if chunk is None:
                 raise ValueError(f"unknown chunk id {chunk_id!r}: not in the store {self.store.location}")
             text = chunk.text
-        kv = encode_segment(self.lm, self.prefix_ids, text).to(self.storage)
+        if self.adapters is not None:
+            ids, offsets = tokenize(self.lm, text)
+            kv = packet_cache(self.lm, self.adapters, self.prefix_ids, ids, offsets).to(self.storage)
+        else:
+            kv = encode_segment(self.lm, self.prefix_ids, text).to(self.storage)
         self.store.put_kv(self.namespace, chunk_id, kv)
         return kv
 

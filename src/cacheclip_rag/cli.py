@@ -29,9 +29,14 @@ def _engine(args, chunk: ChunkConfig | None = None):
         chunk=chunk or ChunkConfig(),
         top_k=getattr(args, "k", None) or EngineConfig().top_k,
         select=SelectConfig(score_layers=tuple(layers) if layers else None),
+        packets=_packets_arg(getattr(args, "adapters", "auto")),
     )
     log.info("loading %s (primary) and %s (aux)", args.primary, args.aux)
     return CacheClipEngine.from_pretrained(primary=args.primary, aux=args.aux, store_dir=args.store, config=cfg)
+
+
+def _packets_arg(value: str) -> str | None:
+    return None if value == "none" else value
 
 
 def _read_documents(paths: list[str]) -> list:
@@ -70,7 +75,7 @@ def _fmt_timings(t: dict[str, float]) -> str:
 
 def cmd_ingest(args) -> int:
     engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=args.overlap_tokens))
-    ids = engine.ingest(_read_documents(args.files), progress=not args.quiet)
+    ids = engine.ingest(_read_documents(args.files), progress=not args.quiet, packets=args.packets)
     print(f"ingested {len(ids)} chunks ({len(set(ids))} distinct) into {args.store}")
     return 0
 
@@ -152,7 +157,7 @@ def cmd_train(args) -> int:
 
     cfg = TrainConfig(samples=args.samples, held_out=args.held_out, epochs=args.epochs, length=args.length,
                       chunk_tokens=args.chunk_tokens, answer_tokens=args.answer_tokens, n_header=args.n_header,
-                      n_trailer=args.n_trailer, lr=args.lr, seed=args.seed)
+                      n_trailer=args.n_trailer, batch=args.batch, lr=args.lr, seed=args.seed)
     lm = load(args.primary, ModelConfig(dtype=args.dtype))
     print(describe_cpu() + f"; training in {str(lm.dtype).removeprefix('torch.')}")
     start = time.perf_counter()
@@ -207,6 +212,10 @@ def cmd_store(args) -> int:
             dtypes = f"{info.get('dtype', '?')}/{info.get('kv_dtype', info.get('dtype', '?'))}"
             print(f"  {info.get('role', '?'):<8} {info.get('model', '?'):<32} {dtypes:<18} {info['caches']:>6} caches "
                   f"{info['bytes'] / 2**20:>9.1f} MB  (namespace {ns[:12]}, fingerprint {info.get('fingerprint', '?')[:12]})")
+            if info.get("packets"):
+                pk = info["packets"]
+                print(f"           KV Packet adapters {pk['adapters']} ({pk['n_header']} header + {pk['n_trailer']} "
+                      "trailer vectors); packet caches are built on first use or by `ingest --packets`")
         print("  memory tier: in-process, per engine (StoreConfig.memory_bytes); hit rates in `bench ttft` output")
         profile = store.read_profile()
         if profile:
@@ -415,6 +424,9 @@ def _common(p: argparse.ArgumentParser, store_default: str | None = "cacheclip-s
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="storage dtype of the chunk caches (auto: bf16 for float32 models, else the compute dtype); "
                    "each has its own namespace")
+    p.add_argument("--adapters", default="auto", metavar="FILE",
+                   help="KV Packet adapters for the packet modes: auto (shipped for the primary), a .safetensors "
+                   "file from `cacheclip train packet`, or none")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -435,6 +447,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-tokens", type=int, default=ChunkConfig().chunk_tokens)
     p.add_argument("--overlap-tokens", type=int, default=ChunkConfig().overlap_tokens)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--packets", action="store_true", help="also build the KV Packet caches now (else on first use)")
     p.set_defaults(func=cmd_ingest)
 
     p = sub.add_parser("ask", help="answer a question from the store")
@@ -477,7 +490,7 @@ def parser() -> argparse.ArgumentParser:
     from .train import TrainConfig
 
     defaults = TrainConfig()
-    for name in ("samples", "held_out", "epochs", "length", "chunk_tokens", "answer_tokens", "n_header", "n_trailer", "seed"):
+    for name in ("samples", "held_out", "epochs", "length", "chunk_tokens", "answer_tokens", "n_header", "n_trailer", "batch", "seed"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("-v", "--verbose", action="store_true")

@@ -243,9 +243,14 @@ class EngineConfig:
     """Sentence-transformers model for the chunk index: the embedded default or a local folder."""
     attention_backend: str = "auto"
     """Recompute attention: "auto" (Triton kernel on CUDA, torch reference on CPU), "torch", "triton"."""
+    packets: str | None = "auto"
+    """KV Packet adapters for the packet modes: "auto" (the ones shipped for the primary, if
+    any), a .safetensors file from `cacheclip train packet`, or None (packet modes off)."""
 
     def __post_init__(self) -> None:
         _check_positive("top_k", self.top_k)
+        if self.packets is not None and (not isinstance(self.packets, str) or not self.packets):
+            raise ValueError(f"packets must be 'auto', a path to an adapter file, or None, got {self.packets!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
 

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import models as model_lib
+from . import packets as packet_lib
 from . import plan as plan_lib
 from .answer import Answer, AnswerStream
 from .caches import ChunkCaches
@@ -46,11 +47,15 @@ class CacheClipEngine:
         self.store.bind_models({"primary": primary.fingerprint, "aux": aux.fingerprint})
         self.primary = ChunkCaches.open(primary, self.store, self.config.prompt, "primary")
         self.aux = ChunkCaches.open(aux, self.store, self.config.prompt, "aux")
+        adapters = packet_lib.resolve_adapters(self.config.packets, primary)
+        self.packets = ChunkCaches.open(primary, self.store, self.config.prompt, "packets", adapters) if adapters else None
+        """The primary's KV Packet caches (None without adapters): the packet modes' namespace."""
         self.index = ChunkIndex(self.store.index_dir(), self.config.embedder)
         self.matcher = ChunkMatcher()
-        self._ingestor = Ingestor(self.store, self.index, self.matcher, [self.primary, self.aux], self.config.chunk)
+        self._ingestor = Ingestor(self.store, self.index, self.matcher, [self.primary, self.aux], self.config.chunk,
+                                  packets=self.packets)
         self._preparer = Preparer(self.store, self.matcher, self.primary, self.aux, self.config, self.retrieve,
-                                  self.select_config)
+                                  self.select_config, packets=self.packets)
         # One worker runs aux selection beside the primary loading (CacheClip's CPU/GPU split).
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheclip-aux")
         self._ingestor.open_corpus()
@@ -81,14 +86,16 @@ class CacheClipEngine:
 
     # ----- offline --------------------------------------------------------------------------
 
-    def ingest(self, documents: Iterable[str | Mapping], progress: bool = True, split: bool = True) -> list[str]:
+    def ingest(self, documents: Iterable[str | Mapping], progress: bool = True, split: bool = True,
+               packets: bool = False) -> list[str]:
         """Chunk, cache (primary and aux) and index documents; return chunk ids in document order.
 
         A document is a str or a mapping with "text" and optional "title" / "source". Chunks
         already in the store are not recomputed. split=False takes each document as one chunk,
-        verbatim: that is how a framework's own nodes become reusable chunks.
+        verbatim: that is how a framework's own nodes become reusable chunks. packets=True also
+        builds the chunks' KV Packet caches now (else the packet modes build them on first use).
         """
-        return self._ingestor.ingest(documents, progress=progress, split=split)
+        return self._ingestor.ingest(documents, progress=progress, split=split, packets=packets)
 
     def repair(self, progress: bool = True) -> dict:
         """Heal the store: re-encode every missing or damaged cache from its chunk text, drop

@@ -106,7 +106,8 @@ def _recompute(prepared: Prepared, plan: Plan, cache: AssembledCache, feeder: La
     positions = plan.positions if plan.positions is not None else torch.arange(layout.num_tokens)
     rows = torch.unique(torch.cat([layout.uncached_rows(), plan.rows]))  # sorted
     result = recompute_rows(prepared.primary.lm, cache, layout.input_ids, rows, positions=positions,
-                            backend=config.attention_backend, ape=plan.ape, blend=plan.blend, layer_ready=feeder.wait)
+                            backend=config.attention_backend, ape=plan.ape, blend=plan.blend, layer_ready=feeder.wait,
+                            embed=prepared.embed())
     feeder.finish()
     timings["assemble"] = feeder.busy  # loading + re-rotation per layer, overlapped when pipelined
     timings["load_wait"] = feeder.waited
@@ -117,7 +118,7 @@ def _recompute(prepared: Prepared, plan: Plan, cache: AssembledCache, feeder: La
 
 def own_step(prepared: Prepared, cache: AssembledCache, positions: torch.Tensor, ape: ApeSpec | None) -> Step:
     """Decode through the same layer loop as recompute, into the preallocated cache rows."""
-    lm, layout, backend = prepared.primary.lm, prepared.layout, prepared.config.attention_backend
+    lm, layout, backend, embed = prepared.primary.lm, prepared.layout, prepared.config.attention_backend, prepared.embed()
     n = layout.num_tokens
     extra = cache.num_tokens - n
     ids = torch.cat([layout.input_ids, torch.zeros(extra, dtype=torch.long)])
@@ -125,6 +126,7 @@ def own_step(prepared: Prepared, cache: AssembledCache, positions: torch.Tensor,
 
     def step(token: int, t: int) -> torch.Tensor:
         ids[n + t] = token
-        return recompute_rows(lm, cache, ids, torch.tensor([n + t]), positions=pos, backend=backend, ape=ape).logits
+        return recompute_rows(lm, cache, ids, torch.tensor([n + t]), positions=pos, backend=backend, ape=ape,
+                              embed=embed).logits
 
     return step

@@ -21,11 +21,13 @@ log = logging.getLogger(__name__)
 
 
 class Ingestor:
-    """Writes chunks into a store for a set of models (each a `ChunkCaches`), one ingest at a time."""
+    """Writes chunks into a store for a set of models (each a `ChunkCaches`), one ingest at a time.
+    packets: the primary's KV Packet caches, built when an ingest asks (else on first use)."""
 
     def __init__(self, store: KVStore, index: ChunkIndex, matcher: ChunkMatcher, models: list[ChunkCaches],
-                 chunking: ChunkConfig):
+                 chunking: ChunkConfig, packets: ChunkCaches | None = None):
         self.store, self.index, self.matcher, self.models, self.chunking = store, index, matcher, models, chunking
+        self.packets = packets
         self._lock = threading.Lock()
 
     def open_corpus(self) -> None:
@@ -38,13 +40,19 @@ class Ingestor:
             log.warning("chunk index lacks %d of %d stored chunks; adding them", len(missing), len(chunks))
             self.index.add(missing)
 
-    def ingest(self, documents: Iterable[str | Mapping], progress: bool = True, split: bool = True) -> list[str]:
+    def ingest(self, documents: Iterable[str | Mapping], progress: bool = True, split: bool = True,
+               packets: bool = False) -> list[str]:
         """Chunk, cache (every model) and index documents; return chunk ids in document order.
 
         A document is a str or a mapping with "text" and optional "title" / "source". Caches
         already in the store are not recomputed. split=False takes each document as one chunk,
-        verbatim: that is how a framework's own nodes become reusable chunks.
+        verbatim: that is how a framework's own nodes become reusable chunks. packets: build the
+        KV Packet caches too (a ValueError when the engine has no adapters).
         """
+        if packets and self.packets is None:
+            raise ValueError("ingest with packets needs KV Packet adapters for the primary model; none are loaded "
+                             "(EngineConfig.packets)")
+        models = self.models + ([self.packets] if packets else [])
         if isinstance(documents, (str, bytes, Mapping)):
             raise ValueError("documents must be a list of documents, not a single document")
         tokenizer = self.models[0].lm.tokenizer
@@ -63,7 +71,7 @@ class Ingestor:
             unique = list({c.id: c for c in chunks}.values())
             for chunk in tqdm(unique, desc="ingest", unit="chunk", disable=not progress):
                 self.store.put_chunk(chunk)
-                for caches in self.models:
+                for caches in models:
                     if not caches.has(chunk.id):
                         caches.encode(chunk.id, chunk.text)
                 self.matcher.add(chunk.id, chunk.text)
@@ -72,17 +80,25 @@ class Ingestor:
 
     def repair(self, progress: bool = True) -> dict:
         """Re-encode every missing or damaged cache from its chunk text, drop leftovers of
-        interrupted writes, re-index chunks the index lacks. Returns counts."""
+        interrupted writes, re-index chunks the index lacks. Returns counts. Packet caches are
+        built on demand, so only the damaged ones are re-encoded (a missing one is not damage)."""
         report = self.store.verify()
         self.store.drop_leftovers()
         rebuilt = 0
         chunks = self.store.chunks()
+        damaged_packets = set()
+        if self.packets is not None:
+            damaged_packets = {name for ns, name, _ in report["damaged"] if ns == self.packets.namespace}
         with self._lock:
             for chunk in tqdm(chunks, desc="repair", unit="chunk", disable=not progress):
                 for caches in self.models:
                     if not caches.has(chunk.id):
                         caches.encode(chunk.id, chunk.text)
                         rebuilt += 1
+                if self.packets is not None and self.store.cache_name(chunk.id) in damaged_packets \
+                        and not self.packets.has(chunk.id):
+                    self.packets.encode(chunk.id, chunk.text)
+                    rebuilt += 1
         self.store.clear_memory()
         self.open_corpus()
         return {"checked": report["checked"], "damaged": len(report["damaged"]), "rebuilt": rebuilt, "chunks": len(chunks)}

@@ -20,17 +20,21 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 
 from .assemble import rerotate
 from .encode import layers_kv
-from .models import LoadedModel
+from .models import EMBEDDED, LoadedModel
 from .store import ChunkKV
 
 SOFT_TOKEN = -1
-"""The token id recorded for a header or trailer row (it has an embedding, not a token)."""
+"""Soft rows (header and trailer vectors) have no token; they are recorded with negative ids:
+header row i is SOFT_TOKEN - i, trailer row j is SOFT_TOKEN - N_h - j, so an id names its
+vector (`embed`) and can never be mistaken for a vocabulary token."""
 
 
 @dataclass
@@ -57,6 +61,16 @@ class Adapters:
     def extra_rows(self) -> int:
         return int(self.header.shape[0] + self.trailer.shape[0])
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N_h, N_t)."""
+        return int(self.header.shape[0]), int(self.trailer.shape[0])
+
+    def soft_ids(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids recorded for the header rows [N_h] and the trailer rows [N_t]."""
+        n_h, n_t = self.shape
+        return SOFT_TOKEN - torch.arange(n_h), SOFT_TOKEN - n_h - torch.arange(n_t)
+
     def digest(self) -> str:
         """Content hash: packet caches are valid only for the adapters that made them."""
         h = hashlib.sha256()
@@ -67,6 +81,68 @@ class Adapters:
         return h.hexdigest()[:32]
 
 
+ADAPTER_KIND = "cacheclip-kv-packet-adapters"
+"""The `kind` an adapter file's metadata carries."""
+
+SHIPPED_DIR = Path(__file__).parent / "adapters"
+SHIPPED: dict[str, tuple[str, str]] = {}
+"""Embedded model name -> (adapter file in the package, the file's pinned sha256). Reproduce with
+the command in `docs/packets.md`."""
+
+
+def shipped_adapters(lm: LoadedModel) -> Path | None:
+    """The package's adapter file for `lm` (an embedded model), or None."""
+    entry = SHIPPED.get(lm.name)
+    return SHIPPED_DIR / entry[0] if entry else None
+
+
+def resolve_adapters(spec: str | None, lm: LoadedModel) -> Adapters | None:
+    """The adapters a config names: "auto" the shipped ones for `lm` (None when there are none),
+    None no adapters, else a file path (a ValueError if it is missing, damaged or foreign)."""
+    if spec is None:
+        return None
+    if spec == "auto":
+        path = shipped_adapters(lm)
+        if path is None:
+            return None
+        expected = SHIPPED[lm.name][1]
+        actual = hashlib.sha256(path.read_bytes()).hexdigest()
+        if actual != expected:
+            raise ValueError(f"{path}: the shipped adapters hash to {actual}, pinned {expected}; reinstall the package")
+        return load_adapters(path, lm)
+    if not Path(spec).is_file():
+        raise ValueError(f"KV Packet adapters {spec!r}: no such file (expected a .safetensors file written by "
+                         "`cacheclip train packet`, or 'auto' / None)")
+    return load_adapters(spec, lm)
+
+
+def load_adapters(path: str | Path, lm: LoadedModel) -> Adapters:
+    """Adapters saved for `lm`; a damaged file, or one trained for another model, is a ValueError
+    naming the file and what was expected. An embedded model's adapters serve it in any dtype
+    (its name pins its weights); any other model's must match its weights fingerprint."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            header, trailer = fh.get_tensor("header"), fh.get_tensor("trailer")
+    except Exception as err:  # noqa: BLE001 - any parse failure means a damaged file
+        raise ValueError(f"{path}: not a readable KV Packet adapter file ({err})") from err
+    if meta.get("kind") != ADAPTER_KIND:
+        raise ValueError(f"{path}: expected KV Packet adapters (metadata kind {ADAPTER_KIND!r}), got {meta.get('kind')!r}")
+    same_weights = meta.get("fingerprint") == lm.fingerprint or (lm.name in EMBEDDED and meta.get("model") == lm.name)
+    if not same_weights:
+        raise ValueError(f"{path}: adapters for model {meta.get('model')!r} (fingerprint {meta.get('fingerprint')!r}); "
+                         f"this model is {lm.name!r} ({lm.fingerprint!r})")
+    if header.ndim != 2 or trailer.ndim != 2 or header.shape[-1] != lm.config.hidden_size \
+            or trailer.shape[-1] != lm.config.hidden_size:
+        raise ValueError(f"{path}: adapters of shape {tuple(header.shape)} / {tuple(trailer.shape)}, expected "
+                         f"[N, {lm.config.hidden_size}] (the model's hidden size)")
+    adapters = Adapters(header.to(torch.float32), trailer.to(torch.float32))
+    if adapters.digest() != meta.get("sha256"):
+        raise ValueError(f"{path}: adapter tensors hash to {adapters.digest()}, the file records {meta.get('sha256')!r}")
+    return adapters
+
+
 def wrap(lm: LoadedModel, adapters: Adapters, ids: torch.Tensor) -> torch.Tensor:
     """Embeddings [N_h + T + N_t, hidden] of one packet (differentiable in the adapters)."""
     dtype = lm.dtype
@@ -74,18 +150,40 @@ def wrap(lm: LoadedModel, adapters: Adapters, ids: torch.Tensor) -> torch.Tensor
     return torch.cat([adapters.header.to(lm.device, dtype), body, adapters.trailer.to(lm.device, dtype)])
 
 
+def wrap_ids(adapters: Adapters, ids: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's token ids [T] and character spans [T, 2] as a packet's: [N_h + T + N_t] ids with
+    the soft ids around them, and spans where the soft rows are empty (at the chunk's first and
+    last character), so no text maps to them."""
+    head, tail = adapters.soft_ids()
+    ids, offsets = ids.cpu(), offsets.cpu().to(torch.long)
+    start = offsets[:1, :1] if offsets.numel() else torch.zeros(1, 1, dtype=torch.long)
+    end = offsets[-1:, 1:] if offsets.numel() else start
+    spans = torch.cat([start.expand(head.numel(), 2), offsets, end.expand(tail.numel(), 2)])
+    return torch.cat([head, ids.to(torch.long), tail]), spans
+
+
+def embed(lm: LoadedModel, adapters: Adapters, ids: torch.Tensor) -> torch.Tensor:
+    """Embeddings [M, hidden] of request rows by id: vocabulary tokens through the model,
+    soft ids (< 0) as their adapter vectors."""
+    soft = ids < 0
+    if not bool(soft.any()):
+        return lm.family.embed(ids)
+    vectors = torch.cat([adapters.header, adapters.trailer]).to(ids.device, lm.dtype)  # [N_h + N_t, hidden]
+    index = (SOFT_TOKEN - ids).clamp(min=0)
+    if int(index.max()) >= vectors.shape[0]:
+        raise ValueError(f"soft row id {int(ids.min())} is beyond these adapters' {vectors.shape[0]} vectors")
+    plain = lm.family.embed(torch.where(soft, torch.zeros_like(ids), ids))
+    return torch.where(soft[:, None], vectors[index], plain)
+
+
 @torch.inference_mode()
 def packet_cache(lm: LoadedModel, adapters: Adapters, prefix_ids: torch.Tensor, ids: torch.Tensor,
                  offsets: torch.Tensor) -> ChunkKV:
     """The sequential form: prefill prefix + packet; keep the packet's rows (keys rotated for
-    positions [P, P + N_h + T + N_t)). Soft rows carry token id SOFT_TOKEN and an empty span."""
+    positions [P, P + N_h + T + N_t)), recorded with `wrap_ids`'s ids and spans."""
     embeds = torch.cat([lm.family.embed(prefix_ids.to(lm.device)), wrap(lm, adapters, ids)])
     keys, values = layers_kv(lm.family.prefill(None, embeds=embeds).cache, int(prefix_ids.numel()))
-    n_h, n_t = int(adapters.header.shape[0]), int(adapters.trailer.shape[0])
-    token_ids = torch.cat([torch.full((n_h,), SOFT_TOKEN), ids.cpu(), torch.full((n_t,), SOFT_TOKEN)])
-    spans = torch.cat([torch.zeros(n_h, 2, dtype=torch.long), offsets.cpu(), offsets[-1:].cpu().expand(n_t, 2).clone()])
-    if n_h:
-        spans[:n_h] = offsets[:1].cpu()
+    token_ids, spans = wrap_ids(adapters, ids, offsets)
     return ChunkKV(keys, values, token_ids, spans, start_pos=int(prefix_ids.numel()))
 
 

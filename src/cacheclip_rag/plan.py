@@ -53,12 +53,15 @@ class Selector:
     the executor runs it on a worker thread while the primary caches load and are assembled, so
     such a plan must keep every token at its own position (`Plan.positions` None). analysis_only: needs
     more than full attention costs (shown starred in tables). row_set: the plan is a set of rows
-    and nothing else, so an analysis can replay it (teacher-forced fidelity).
+    and nothing else, so an analysis can replay it (teacher-forced fidelity). packets: the request
+    runs on KV Packet caches (each chunk wrapped in the trained adapters; its layout holds their
+    soft rows), so it needs the engine's adapters.
     """
 
     name: ClassVar[str]
     fixed_ratio: ClassVar[float | None] = None
     uses_aux: ClassVar[bool] = False
+    packets: ClassVar[bool] = False
     analysis_only: ClassVar[bool] = False
     row_set: ClassVar[bool] = True
 

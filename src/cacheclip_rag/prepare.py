@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import packets as packet_lib
+from . import plan
 from .assemble import Layout, build_layout
 from .caches import ChunkCaches
 from .config import EngineConfig, SelectConfig
@@ -35,7 +37,8 @@ class Prepared:
     """A validated request with its primary-model layout and access to both models' caches.
 
     request: per-request state (options, pieces, timings). layout: the primary token sequence
-    [N] with its segments. primary, aux: the two models' caches. config: the engine's settings
+    [N] with its segments. primary, aux: the two models' caches (for a packet mode, `primary`
+    holds the packet caches and the layout their soft rows). config: the engine's settings
     (baseline modes, pipeline switches, attention backend).
     """
 
@@ -48,6 +51,14 @@ class Prepared:
     @property
     def chunk_segments(self):
         return self.layout.chunk_segments()
+
+    def embed(self):
+        """ids [M] -> input rows [M, hidden] for recompute: None (the model's embedding) unless
+        the request runs on packets, whose soft rows embed as the adapter vectors."""
+        adapters = self.primary.adapters
+        if adapters is None:
+            return None
+        return lambda ids: packet_lib.embed(self.primary.lm, adapters, ids)
 
     def chunk_kvs(self) -> dict[str, ChunkKV]:
         """chunk id -> the primary's whole cache of each chunk in the request."""
@@ -81,8 +92,10 @@ class Preparer:
     """
 
     def __init__(self, store: KVStore, matcher: ChunkMatcher, primary: ChunkCaches, aux: ChunkCaches,
-                 config: EngineConfig, retrieve: Callable, select_config: Callable[..., SelectConfig]):
+                 config: EngineConfig, retrieve: Callable, select_config: Callable[..., SelectConfig],
+                 packets: ChunkCaches | None = None):
         self.store, self.matcher, self.primary, self.aux, self.config = store, matcher, primary, aux, config
+        self.packets = packets
         self._retrieve, self._select_config = retrieve, select_config
 
     def question(self, question: str, chunk_ids: list[str] | None = None, *, k: int | None = None,
@@ -137,13 +150,22 @@ class Preparer:
         if opts.score_layers is not None:
             scoring_layers(self.aux.lm, opts.score_layers)  # range check against the aux model
         request = Request.of(opts, self._select_config(opts.score_layers), chunk_ids, pieces, aux_query)
-        return Prepared(request, self.layout(request), self.primary, self.aux, self.config)
+        primary = self.primary
+        if plan.get(opts.mode).packets:
+            if self.packets is None:
+                raise ValueError(f"mode {opts.mode!r} needs KV Packet adapters for {primary.lm.name!r}: none ship for "
+                                 "it; train them with `cacheclip train packet --out FILE` and set EngineConfig.packets")
+            primary = self.packets
+        return Prepared(request, self.layout(request, primary), primary, self.aux, self.config)
 
-    def layout(self, request: Request) -> Layout:
-        """The primary token sequence; a ValueError when prompt + new tokens exceed its context."""
-        lm = self.primary.lm
-        layout = build_layout(self.primary.prefix_ids, request.pieces, lambda text, special: tokenize(lm, text, special),
-                              suffix=self.primary.template.suffix)
+    def layout(self, request: Request, primary: ChunkCaches | None = None) -> Layout:
+        """The primary token sequence (with packet caches: the chunks' soft rows around them); a
+        ValueError when prompt + new tokens exceed the model's context."""
+        primary = primary or self.primary
+        lm, adapters = primary.lm, primary.adapters
+        wrap = (lambda ids, offsets: packet_lib.wrap_ids(adapters, ids, offsets)) if adapters is not None else None
+        layout = build_layout(primary.prefix_ids, request.pieces, lambda text, special: tokenize(lm, text, special),
+                              suffix=primary.template.suffix, wrap=wrap)
         new = request.options.max_new_tokens
         if layout.num_tokens + new > lm.max_positions:
             raise ValueError(f"request needs {layout.num_tokens} prompt tokens + {new} new tokens but {lm.name!r} has "

@@ -167,6 +167,7 @@ def recompute_rows(
     blend: BlendSpec | None = None,
     layer_ready: Callable[[int], None] | None = None,
     tail: int = 1,
+    embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> RecomputeResult:
     """Recompute `rows` of the request in place in `cache`; return the last row's logits.
 
@@ -176,7 +177,8 @@ def recompute_rows(
     (default: the index itself; APE's parallel chunks share positions). layer_ready(l) is
     called before layer l runs: the pipelined loader fills that layer of the cache meanwhile.
     tail: how many of the last rows get logits (teacher-forced scoring; CacheBlend must not
-    drop those rows).
+    drop those rows). embed: ids [M] -> input rows [M, hidden], for requests whose rows are not
+    all vocabulary tokens (KV Packet's soft rows, `packets.embed`); default the model's embedding.
     """
     assert rows.numel() > 0, "nothing to recompute"
     last_row = int(rows[-1])
@@ -184,7 +186,7 @@ def recompute_rows(
     fam = lm.family
     rows = rows.to(lm.device)
     rope_pos = (rows if positions is None else positions.to(lm.device)[rows])[None]  # [1, M]
-    h = fam.embed(input_ids.to(lm.device)[rows])[None]  # [1, M, hidden]
+    h = (embed or fam.embed)(input_ids.to(lm.device)[rows])[None]  # [1, M, hidden]
     rope = fam.rope(h, rope_pos)
     plans: dict[int | None, BlockPlan] = {}  # per sliding window: depends only on the rows
 

@@ -232,6 +232,7 @@ class KVStore:
         Nothing is changed; `repair` (on the engine) heals what this finds.
         """
         report = {"checked": 0, "damaged": [], "orphans": [], "missing": {}, "bad_texts": []}
+        on_demand = {ns for ns, info in self.read_manifest().get("namespaces", {}).items() if info.get("packets")}
         chunk_ids = set()
         for name, data in self.backend.texts():
             ok = isinstance(data, dict) and isinstance(data.get("id"), str) and isinstance(data.get("text"), str) \
@@ -264,7 +265,7 @@ class KVStore:
                 if key not in chunk_ids and not key.startswith("__"):
                     report["orphans"].append((ns, key))
             missing = sorted(chunk_ids - have)
-            if missing:
+            if missing and ns not in on_demand:  # packet caches are built on first use: absent is fine
                 report["missing"][ns] = missing
         for where, name in self.backend.leftovers():
             report["damaged"].append((where, name, "leftover temporary file from an interrupted write"))
@@ -354,6 +355,10 @@ class KVStore:
             if whole:
                 self._remember((namespace, key), found)
         return found
+
+    def cache_name(self, key: str) -> str:
+        """The name a cache is stored under (as `verify` reports damaged ones)."""
+        return self.backend.name_of(key)
 
     def discard(self, namespace: str, key: str, why: object) -> None:
         """Remove a damaged cache (it is rebuilt from the chunk text on next use)."""

@@ -3,10 +3,12 @@
 Teacher: the frozen model's own greedy continuation G of [prefix, D_1..D_M, Q] under full
 attention, and its log-probabilities over G. Student: the same request with every document a
 packet (`packets.student_logits`, the parallel form). Loss: KL(teacher || student) on G's rows;
-only the adapters get gradients. Training documents are generated needle haystacks with seeds
-disjoint from every evaluation and calibration seed (TRAIN_SEED_BASE and up), mixed over all
-eight needle variants. Adapters are saved as safetensors with the model fingerprint, their shape
-and sha256; loading checks all three.
+only the adapters get gradients. Training requests are generated (`traindata`: needle haystacks,
+two-hop facts, plain prose, in turn) with seeds disjoint from every evaluation and calibration
+seed (TRAIN_SEED_BASE and up). Updates average `batch` requests (gradient accumulation) with
+Adam and a linear learning-rate decay; the epoch with the lowest held-out KL is kept (the paper
+selects its epoch on a disjoint set too). Adapters are saved as safetensors with the model
+fingerprint, their shape and sha256; loading checks all three.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .chunking import encode_text
@@ -27,8 +28,8 @@ from .config import PromptConfig
 from .encode import chat_template, tokenize
 from .generate import hf_step
 from .models import LoadedModel
-from .niah import VARIANTS, generate
-from .packets import Adapters, student_logits
+from .packets import ADAPTER_KIND, Adapters, student_logits
+from .traindata import KINDS, make_request
 
 log = logging.getLogger(__name__)
 
@@ -39,21 +40,23 @@ TRAIN_SEED_BASE = 5_000_000
 @dataclass(frozen=True)
 class TrainConfig:
     """samples: generated training requests (held_out more for the held-out KL); length: context
-    tokens per request; chunk_tokens: tokens per document (packet); answer_tokens: |G|."""
+    tokens per request; chunk_tokens: tokens per document (packet); answer_tokens: |G|; batch:
+    requests averaged per update; lr: the initial learning rate, decayed linearly to zero."""
 
-    samples: int = 64
-    held_out: int = 8
+    samples: int = 144
+    held_out: int = 12
     epochs: int = 3
     length: int = 512
     chunk_tokens: int = 128
     answer_tokens: int = 8
     n_header: int = 8
     n_trailer: int = 8
-    lr: float = 5e-3
+    batch: int = 4
+    lr: float = 1e-3
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("samples", "held_out", "epochs", "length", "chunk_tokens", "answer_tokens"):
+        for name in ("samples", "held_out", "epochs", "length", "chunk_tokens", "answer_tokens", "batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "held_out" else 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -71,9 +74,9 @@ class Example:
 
 
 @torch.inference_mode()
-def make_example(lm: LoadedModel, prefix_ids: torch.Tensor, suffix: str, prompt: PromptConfig, variant: str,
+def make_example(lm: LoadedModel, prefix_ids: torch.Tensor, suffix: str, prompt: PromptConfig, kind: str,
                  seed: int, cfg: TrainConfig) -> Example:
-    sample = generate(variant, cfg.length, seed, lm.tokenizer)
+    sample = make_request(kind, cfg.length, seed, lm.tokenizer)
     ids, _ = encode_text(lm.tokenizer, sample.context)
     docs = [torch.tensor(ids[i : i + cfg.chunk_tokens]) for i in range(0, len(ids), cfg.chunk_tokens)]
     question = prompt.question_template.format(question=sample.question)
@@ -104,9 +107,8 @@ def train(lm: LoadedModel, cfg: TrainConfig, prompt: PromptConfig | None = None,
     template = chat_template(lm, prompt)
     prefix_ids, _ = tokenize(lm, template.prefix, special=True)
     rng = random.Random(cfg.seed)
-    variants = list(VARIANTS)
     seeds = range(TRAIN_SEED_BASE + cfg.seed * 100_000, TRAIN_SEED_BASE + cfg.seed * 100_000 + cfg.samples + cfg.held_out)
-    examples = [make_example(lm, prefix_ids, template.suffix, prompt, variants[i % len(variants)], s, cfg)
+    examples = [make_example(lm, prefix_ids, template.suffix, prompt, KINDS[i % len(KINDS)], s, cfg)
                 for i, s in enumerate(seeds)]
     train_set, held = examples[: cfg.samples], examples[cfg.samples :]
     for p in lm.model.parameters():
@@ -116,33 +118,44 @@ def train(lm: LoadedModel, cfg: TrainConfig, prompt: PromptConfig | None = None,
     adapters.header.requires_grad_(True)
     adapters.trailer.requires_grad_(True)
     opt = torch.optim.Adam([adapters.header, adapters.trailer], lr=cfg.lr)
+    updates = cfg.epochs * -(-len(train_set) // cfg.batch)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: max(0.0, 1 - u / updates))
 
     def held_kl() -> float:
         with torch.no_grad():
             return sum(kl(lm, adapters, prefix_ids, ex).item() for ex in held) / len(held) if held else float("nan")
 
+    def snapshot() -> Adapters:
+        return Adapters(adapters.header.detach().clone(), adapters.trailer.detach().clone())
+
     curve = [dict(epoch=0, train_loss=float("nan"), held_out_kl=held_kl())]
+    best, best_kl = snapshot(), curve[0]["held_out_kl"]
     for epoch in range(1, cfg.epochs + 1):
         order = list(range(len(train_set)))
         rng.shuffle(order)
         total = 0.0
+        opt.zero_grad()
         for step, i in enumerate(order, 1):
             loss = kl(lm, adapters, prefix_ids, train_set[i])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            (loss / cfg.batch).backward()
+            if step % cfg.batch == 0 or step == len(order):
+                opt.step()
+                sched.step()
+                opt.zero_grad()
             total += loss.item()
             if progress:
                 progress(f"epoch {epoch}/{cfg.epochs} step {step}/{len(order)} loss {loss.item():.4f}")
         curve.append(dict(epoch=epoch, train_loss=total / len(order), held_out_kl=held_kl()))
         log.info("epoch %d: train KL %.4f, held-out KL %.4f", epoch, curve[-1]["train_loss"], curve[-1]["held_out_kl"])
-    return Adapters(adapters.header.detach().clone(), adapters.trailer.detach().clone()), curve
+        if not held or curve[-1]["held_out_kl"] < best_kl:
+            best, best_kl = snapshot(), curve[-1]["held_out_kl"]
+    return best, curve
 
 
 def save_adapters(path: str | Path, adapters: Adapters, lm: LoadedModel, cfg: TrainConfig, curve: list[dict]) -> str:
     """Write the adapters as safetensors with what loading checks; returns their sha256 (the pin)."""
     tensors = {"header": adapters.header.to(torch.float32).contiguous(), "trailer": adapters.trailer.to(torch.float32).contiguous()}
-    meta = {"kind": "cacheclip-kv-packet-adapters", "model": lm.name, "fingerprint": lm.fingerprint,
+    meta = {"kind": ADAPTER_KIND, "model": lm.name, "fingerprint": lm.fingerprint,
             "hidden_size": str(lm.config.hidden_size), "sha256": adapters.digest(),
             "train_config": json.dumps(asdict(cfg)), "curve": json.dumps(curve)}
     path = Path(path)
@@ -151,26 +164,3 @@ def save_adapters(path: str | Path, adapters: Adapters, lm: LoadedModel, cfg: Tr
     save_file(tensors, str(tmp), metadata=meta)
     tmp.replace(path)
     return meta["sha256"]
-
-
-def load_adapters(path: str | Path, lm: LoadedModel) -> Adapters:
-    """Adapters saved for `lm`; a damaged file, or one trained for another model, is a ValueError
-    naming the file and what was expected."""
-    path = Path(path)
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
-            header, trailer = fh.get_tensor("header"), fh.get_tensor("trailer")
-    except Exception as err:  # noqa: BLE001 - any parse failure means a damaged file
-        raise ValueError(f"{path}: not a readable KV Packet adapter file ({err})") from err
-    if meta.get("kind") != "cacheclip-kv-packet-adapters":
-        raise ValueError(f"{path}: expected KV Packet adapters (metadata kind), got {meta.get('kind')!r}")
-    if meta.get("fingerprint") != lm.fingerprint:
-        raise ValueError(f"{path}: adapters for model fingerprint {meta.get('fingerprint')!r} "
-                         f"({meta.get('model')!r}); this model {lm.name!r} is {lm.fingerprint!r}")
-    adapters = Adapters(header, trailer)
-    if header.shape[-1] != lm.config.hidden_size or trailer.shape[-1] != lm.config.hidden_size:
-        raise ValueError(f"{path}: adapters of width {header.shape[-1]}, the model's hidden size is {lm.config.hidden_size}")
-    if adapters.digest() != meta.get("sha256"):
-        raise ValueError(f"{path}: adapter tensors hash to {adapters.digest()}, the file records {meta.get('sha256')!r}")
-    return adapters

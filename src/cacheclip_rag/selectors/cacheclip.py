@@ -31,8 +31,9 @@ class CacheClip(Selector):
                        budget=request.budget)
         rows, trace = [], []
         for seg, aux_kv, pick in zip(segments, aux_kvs, picks):
-            mask = map_tokens(aux_kv.offsets, pick.kept, seg.offsets, len(seg.text))
-            mask[: request.select.chunk_start_tokens] = True
+            text_rows = seg.ids >= 0  # a packet's soft rows (negative ids) hold no text: never picked
+            mask = map_tokens(aux_kv.offsets, pick.kept, seg.offsets, len(seg.text)) & text_rows
+            mask[torch.nonzero(text_rows).flatten()[: request.select.chunk_start_tokens]] = True
             rows.append(seg.start + torch.nonzero(mask).flatten())
             trace.append(dict(
                 chunk_id=seg.chunk_id, text=seg.text, aux_offsets=aux_kv.offsets, aux_scores=pick.scores,
