@@ -24,7 +24,7 @@ def _engine(args, chunk: ChunkConfig | None = None):
 
     layers = getattr(args, "score_layers", None)
     cfg = EngineConfig(
-        model=ModelConfig(dtype=getattr(args, "dtype", "auto")),
+        model=ModelConfig(dtype=getattr(args, "dtype", "auto"), primary_adapter=getattr(args, "primary_adapter", None)),
         store=StoreConfig(kv_dtype=getattr(args, "kv_dtype", "auto")),
         chunk=chunk or ChunkConfig(),
         top_k=getattr(args, "k", None) or EngineConfig().top_k,
@@ -151,22 +151,37 @@ def cmd_models(args) -> int:
 
 
 def cmd_train(args) -> int:
-    """Train KV Packet adapters for the primary model by self-distillation; write them to --out."""
-    from .models import load
-    from .train import TrainConfig, save_adapters, train
+    """Train the primary's KV Packet adapters (`packet`: a .safetensors file) or its
+    concatenation-aware LoRA (`lora`: a folder) by self-distillation; write them to --out."""
+    from dataclasses import fields as dc_fields
 
-    cfg = TrainConfig(samples=args.samples, held_out=args.held_out, epochs=args.epochs, length=args.length,
-                      chunk_tokens=args.chunk_tokens, answer_tokens=args.answer_tokens, n_header=args.n_header,
-                      n_trailer=args.n_trailer, batch=args.batch, lr=args.lr, seed=args.seed)
+    from .models import load
+    from .train import LoraTrainConfig, TrainConfig
+
+    kind = LoraTrainConfig if args.what == "lora" else TrainConfig
+    given = {f.name: getattr(args, f.name) for f in dc_fields(kind) if f.name != "lr"}
+    cfg = kind(**given, **({"lr": args.lr} if args.lr is not None else {}))
     lm = load(args.primary, ModelConfig(dtype=args.dtype))
     print(describe_cpu() + f"; training in {str(lm.dtype).removeprefix('torch.')}")
     start = time.perf_counter()
-    adapters, curve = train(lm, cfg, progress=_progress_bar(cfg.samples * cfg.epochs, "train", "step"))
-    sha = save_adapters(args.out, adapters, lm, cfg, curve)
-    print(f"{'epoch':>5} {'train KL':>9} {'held-out KL':>12}")
+    bar = _progress_bar(cfg.samples * cfg.epochs, "train", "step")
+    if args.what == "lora":
+        from dataclasses import asdict
+
+        from . import lora
+        from .train import train_lora
+
+        peft_model, curve = train_lora(lm, cfg, progress=bar)
+        sha = lora.save(peft_model, args.out, lm, {"train_config": asdict(cfg), "curve": curve})
+    else:
+        from .train import save_adapters, train
+
+        adapters, curve = train(lm, cfg, progress=bar)
+        sha = save_adapters(args.out, adapters, lm, cfg, curve)
+    print(f"{'epoch':>5} {'train loss':>10} {'held-out KL':>12}")
     for row in curve:
-        print(f"{row['epoch']:>5} {row['train_loss']:>9.4f} {row['held_out_kl']:>12.4f}")
-    print(f"adapters for {lm.name} -> {args.out} (sha256 {sha}); {time.perf_counter() - start:.0f} s")
+        print(f"{row['epoch']:>5} {row['train_loss']:>10.4f} {row['held_out_kl']:>12.4f}")
+    print(f"{args.what} adapters for {lm.name} -> {args.out} (sha256 {sha}); {time.perf_counter() - start:.0f} s")
     return 0
 
 
@@ -424,6 +439,8 @@ def _common(p: argparse.ArgumentParser, store_default: str | None = "cacheclip-s
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="storage dtype of the chunk caches (auto: bf16 for float32 models, else the compute dtype); "
                    "each has its own namespace")
+    p.add_argument("--primary-adapter", default=None, metavar="DIR",
+                   help="a LoRA folder from `cacheclip train lora`, merged into the primary (the tuned primary)")
     p.add_argument("--adapters", default="auto", metavar="FILE",
                    help="KV Packet adapters for the packet modes: auto (shipped for the primary), a .safetensors "
                    "file from `cacheclip train packet`, or none")
@@ -482,17 +499,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None)
     p.set_defaults(func=cmd_calibrate)
 
-    p = sub.add_parser("train", help="train KV Packet adapters for the primary model (self-distillation)")
-    p.add_argument("what", choices=["packet"])
+    p = sub.add_parser("train", help="train the primary's KV Packet adapters or concatenation-aware LoRA (self-distillation)")
+    p.add_argument("what", choices=["packet", "lora"], help="packet: header/trailer vectors (a .safetensors file); "
+                   "lora: LoRA on attention and MLP projections (a folder)")
     p.add_argument("--primary", default=DEFAULT_PRIMARY, help="the model the adapters are for")
     _dtype_arg(p)
-    p.add_argument("--out", required=True, help="safetensors file to write")
-    from .train import TrainConfig
+    p.add_argument("--out", required=True, help="packet: .safetensors file to write; lora: folder to write")
+    from dataclasses import fields as dc_fields
 
-    defaults = TrainConfig()
-    for name in ("samples", "held_out", "epochs", "length", "chunk_tokens", "answer_tokens", "n_header", "n_trailer", "batch", "seed"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
-    p.add_argument("--lr", type=float, default=defaults.lr)
+    from .train import LoraTrainConfig
+
+    defaults = LoraTrainConfig()
+    for f in dc_fields(LoraTrainConfig):
+        if f.name != "lr":
+            p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(defaults, f.name)), default=getattr(defaults, f.name))
+    p.add_argument("--lr", type=float, default=None, help="default: 1e-3 (packet), 3e-4 (lora)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_train)
 

@@ -67,10 +67,14 @@ class CacheClipEngine:
         aux: str = model_lib.DEFAULT_AUX,
         store_dir: str | Path = "cacheclip-store",
         config: EngineConfig | None = None,
+        primary_adapter: str | Path | None = None,
     ) -> CacheClipEngine:
         """Load both models (embedded default names, local folders or cached hub ids) and open the
-        store (a folder or a URL)."""
+        store (a folder or a URL). primary_adapter: a LoRA folder from `cacheclip train lora`
+        merged into the primary (the tuned primary; same as `config.model.primary_adapter`)."""
         config = config or EngineConfig()
+        if primary_adapter is not None:
+            config = dataclasses.replace(config, model=dataclasses.replace(config.model, primary_adapter=str(primary_adapter)))
         return cls(model_lib.load(primary, config.model, "primary"), model_lib.load(aux, config.model, "aux"), store_dir, config)
 
     def close(self) -> None:

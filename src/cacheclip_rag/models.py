@@ -257,6 +257,10 @@ def load(name: str, cfg: ModelConfig | None = None, role: str = "primary") -> Lo
     model.to(device).eval()
     loaded = LoadedModel(name=name, model=model, tokenizer=tokenizer, fingerprint=weights_fingerprint(model))
     log.info("loaded %s as %s (%s, %s, %s)", name, role, model.config.model_type, str(dtype).removeprefix("torch."), device)
+    if role == "primary" and cfg.primary_adapter is not None:
+        from .lora import apply
+
+        loaded = apply(loaded, cfg.primary_adapter, copy=False)
     return loaded
 
 

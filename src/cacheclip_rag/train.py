@@ -64,6 +64,26 @@ class TrainConfig:
             raise ValueError(f"lr must be a number in (0, 1), got {self.lr!r}")
 
 
+@dataclass(frozen=True)
+class LoraTrainConfig(TrainConfig):
+    """`TrainConfig` for the concatenation-aware LoRA: rank and alpha of the LoRA layers;
+    full_weight: the weight of the full-attention KL term (keeps ordinary answers unchanged)."""
+
+    rank: int = 8
+    alpha: int = 16
+    full_weight: float = 1.0
+    lr: float = 3e-4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("rank", "alpha"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.full_weight, (int, float)) or self.full_weight < 0:
+            raise ValueError(f"full_weight must be a non-negative number, got {self.full_weight!r}")
+
+
 @dataclass
 class Example:
     """One training request: documents [ids], the tail Q + G[:-1] and the teacher's log-probs [|G|, vocab]."""
@@ -100,43 +120,54 @@ def kl(lm: LoadedModel, adapters: Adapters, prefix_ids: torch.Tensor, ex: Exampl
     return torch.nn.functional.kl_div(student, ex.teacher.to(student.device), log_target=True, reduction="batchmean")
 
 
-def train(lm: LoadedModel, cfg: TrainConfig, prompt: PromptConfig | None = None,
-          progress: Callable[[str], None] | None = None) -> tuple[Adapters, list[dict]]:
-    """Train adapters for `lm`; returns them and the per-epoch curve (train loss, held-out KL)."""
+def examples(lm: LoadedModel, cfg: TrainConfig, prompt: PromptConfig | None = None
+             ) -> tuple[torch.Tensor, list[Example], list[Example]]:
+    """The shared prefix ids [P] and the generated (train, held-out) examples with their teacher."""
     prompt = prompt or PromptConfig()
     template = chat_template(lm, prompt)
     prefix_ids, _ = tokenize(lm, template.prefix, special=True)
+    first = TRAIN_SEED_BASE + cfg.seed * 100_000
+    made = [make_example(lm, prefix_ids, template.suffix, prompt, KINDS[i % len(KINDS)], s, cfg)
+            for i, s in enumerate(range(first, first + cfg.samples + cfg.held_out))]
+    log.info("made %d training examples (teacher continuations of %d tokens)", len(made), cfg.answer_tokens)
+    return prefix_ids, made[: cfg.samples], made[cfg.samples :]
+
+
+@dataclass
+class Objective:
+    """What `fit` trains: params (the only tensors with gradients), loss(example) -> scalar
+    tensor, held(example) -> the held-out measure (a float), snapshot() -> a copy of the
+    current trained state (the best epoch's is returned)."""
+
+    params: list[torch.Tensor]
+    loss: Callable[[Example], torch.Tensor]
+    held: Callable[[Example], float]
+    snapshot: Callable[[], object]
+
+
+def fit(objective: Objective, train_set: list[Example], held: list[Example], cfg: TrainConfig,
+        progress: Callable[[str], None] | None = None) -> tuple[object, list[dict]]:
+    """Adam with a linear decay over `cfg.epochs`, `cfg.batch` examples per update; the held-out
+    measure after every epoch; returns the best epoch's snapshot and the curve."""
     rng = random.Random(cfg.seed)
-    seeds = range(TRAIN_SEED_BASE + cfg.seed * 100_000, TRAIN_SEED_BASE + cfg.seed * 100_000 + cfg.samples + cfg.held_out)
-    examples = [make_example(lm, prefix_ids, template.suffix, prompt, KINDS[i % len(KINDS)], s, cfg)
-                for i, s in enumerate(seeds)]
-    train_set, held = examples[: cfg.samples], examples[cfg.samples :]
-    for p in lm.model.parameters():
-        p.requires_grad_(False)
     torch.manual_seed(cfg.seed)
-    adapters = Adapters.initial(lm, cfg.n_header, cfg.n_trailer, seed=cfg.seed)
-    adapters.header.requires_grad_(True)
-    adapters.trailer.requires_grad_(True)
-    opt = torch.optim.Adam([adapters.header, adapters.trailer], lr=cfg.lr)
+    opt = torch.optim.Adam(objective.params, lr=cfg.lr)
     updates = cfg.epochs * -(-len(train_set) // cfg.batch)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: max(0.0, 1 - u / updates))
 
-    def held_kl() -> float:
+    def held_measure() -> float:
         with torch.no_grad():
-            return sum(kl(lm, adapters, prefix_ids, ex).item() for ex in held) / len(held) if held else float("nan")
+            return sum(objective.held(ex) for ex in held) / len(held) if held else float("nan")
 
-    def snapshot() -> Adapters:
-        return Adapters(adapters.header.detach().clone(), adapters.trailer.detach().clone())
-
-    curve = [dict(epoch=0, train_loss=float("nan"), held_out_kl=held_kl())]
-    best, best_kl = snapshot(), curve[0]["held_out_kl"]
+    curve = [dict(epoch=0, train_loss=float("nan"), held_out_kl=held_measure())]
+    best, best_kl = objective.snapshot(), curve[0]["held_out_kl"]
     for epoch in range(1, cfg.epochs + 1):
         order = list(range(len(train_set)))
         rng.shuffle(order)
         total = 0.0
         opt.zero_grad()
         for step, i in enumerate(order, 1):
-            loss = kl(lm, adapters, prefix_ids, train_set[i])
+            loss = objective.loss(train_set[i])
             (loss / cfg.batch).backward()
             if step % cfg.batch == 0 or step == len(order):
                 opt.step()
@@ -145,11 +176,29 @@ def train(lm: LoadedModel, cfg: TrainConfig, prompt: PromptConfig | None = None,
             total += loss.item()
             if progress:
                 progress(f"epoch {epoch}/{cfg.epochs} step {step}/{len(order)} loss {loss.item():.4f}")
-        curve.append(dict(epoch=epoch, train_loss=total / len(order), held_out_kl=held_kl()))
-        log.info("epoch %d: train KL %.4f, held-out KL %.4f", epoch, curve[-1]["train_loss"], curve[-1]["held_out_kl"])
+        curve.append(dict(epoch=epoch, train_loss=total / len(order), held_out_kl=held_measure()))
+        log.info("epoch %d: train loss %.4f, held-out KL %.4f", epoch, curve[-1]["train_loss"], curve[-1]["held_out_kl"])
         if not held or curve[-1]["held_out_kl"] < best_kl:
-            best, best_kl = snapshot(), curve[-1]["held_out_kl"]
+            best, best_kl = objective.snapshot(), curve[-1]["held_out_kl"]
     return best, curve
+
+
+def train(lm: LoadedModel, cfg: TrainConfig, prompt: PromptConfig | None = None,
+          progress: Callable[[str], None] | None = None) -> tuple[Adapters, list[dict]]:
+    """Train KV Packet adapters for `lm`; returns them and the per-epoch curve (train loss, held-out KL)."""
+    prefix_ids, train_set, held = examples(lm, cfg, prompt)
+    for p in lm.model.parameters():
+        p.requires_grad_(False)
+    adapters = Adapters.initial(lm, cfg.n_header, cfg.n_trailer, seed=cfg.seed)
+    adapters.header.requires_grad_(True)
+    adapters.trailer.requires_grad_(True)
+    objective = Objective(
+        params=[adapters.header, adapters.trailer],
+        loss=lambda ex: kl(lm, adapters, prefix_ids, ex),
+        held=lambda ex: kl(lm, adapters, prefix_ids, ex).item(),
+        snapshot=lambda: Adapters(adapters.header.detach().clone(), adapters.trailer.detach().clone()),
+    )
+    return fit(objective, train_set, held, cfg, progress)
 
 
 def save_adapters(path: str | Path, adapters: Adapters, lm: LoadedModel, cfg: TrainConfig, curve: list[dict]) -> str:
@@ -164,3 +213,37 @@ def save_adapters(path: str | Path, adapters: Adapters, lm: LoadedModel, cfg: Tr
     save_file(tensors, str(tmp), metadata=meta)
     tmp.replace(path)
     return meta["sha256"]
+
+
+def train_lora(lm: LoadedModel, cfg: LoraTrainConfig, prompt: PromptConfig | None = None,
+               progress: Callable[[str], None] | None = None):
+    """Train a concatenation-aware LoRA on `lm` (issue 16): the student reads the documents
+    encoded apart (block-diagonal mask, no adapters) and, weighted by full_weight, the whole
+    request under full attention; both match the frozen model's full-attention continuation.
+    Returns (the peft model with the best epoch's LoRA loaded, curve); `lora.save` writes it."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    from .lora import attach
+
+    prefix_ids, train_set, held = examples(lm, cfg, prompt)  # the teacher: the frozen base model
+    peft_model = attach(lm, cfg.rank, cfg.alpha, seed=cfg.seed)
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    plain = Adapters.initial(lm, 0, 0)
+
+    def full_kl(ex: Example) -> torch.Tensor:
+        seq = torch.cat([prefix_ids, *ex.docs, ex.tail]).to(lm.device)
+        logits = lm.model(input_ids=seq[None], logits_to_keep=ex.teacher.shape[0]).logits[0].float()
+        return torch.nn.functional.kl_div(logits.log_softmax(-1), ex.teacher.to(logits.device), log_target=True,
+                                          reduction="batchmean")
+
+    def loss(ex: Example) -> torch.Tensor:
+        block = kl(lm, plain, prefix_ids, ex)
+        return block + cfg.full_weight * full_kl(ex) if cfg.full_weight else block
+
+    objective = Objective(
+        params=params, loss=loss, held=lambda ex: kl(lm, plain, prefix_ids, ex).item(),
+        snapshot=lambda: {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()},
+    )
+    best, curve = fit(objective, train_set, held, cfg, progress)
+    set_peft_model_state_dict(peft_model, best)
+    return peft_model, curve

@@ -1,0 +1,119 @@
+"""Concatenation-aware LoRA for the primary model (issue 16; `shared/papers/finetune-plus-recompute-paper.md`).
+
+The fine-tune-plus-recompute paper tunes the model so that chunks encoded without seeing each
+other still read well when concatenated (Block-attention's training), then recomputes a few
+rows on top. Here the tuning is a LoRA (through `peft`) on the attention and MLP projections,
+trained label-free by `train.train_lora`; this module attaches it for training, saves it, and
+loads it for serving, merged into the weights (no per-token cost).
+
+A saved adapter is a folder: peft's `adapter_config.json` and `adapter_model.safetensors`, plus
+`cacheclip.json` recording the base model, its weights fingerprint and the sha256 of both peft
+files. Loading checks all of them; a tuned model's fingerprint is the base fingerprint combined
+with that sha256, so its caches never share a namespace with the base model's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from .models import EMBEDDED, LoadedModel
+
+log = logging.getLogger(__name__)
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The projections LoRA adapts (attention and MLP of every layer)."""
+FILES = ("adapter_config.json", "adapter_model.safetensors")
+META = "cacheclip.json"
+KIND = "cacheclip-concat-lora"
+
+
+def attach(lm: LoadedModel, rank: int, alpha: int, seed: int = 0):
+    """Wrap `lm.model` with fresh trainable LoRA layers (B = 0: the model is unchanged until
+    trained); returns the peft model. `lm.model` and its family now run through the LoRA layers."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(TARGETS), bias="none")
+    return get_peft_model(lm.model, config)
+
+
+def files_digest(folder: Path) -> str:
+    """sha256 over the peft files of an adapter folder, in a fixed order."""
+    digest = hashlib.sha256()
+    for name in FILES:
+        digest.update(name.encode())
+        digest.update((folder / name).read_bytes())
+    return digest.hexdigest()
+
+
+def save(peft_model, folder: str | Path, lm: LoadedModel, extra: dict) -> str:
+    """Write the adapter folder (peft files + cacheclip.json); returns the files' sha256 (the pin)."""
+    folder = Path(folder)
+    peft_model.save_pretrained(folder)
+    sha = files_digest(folder)
+    meta = {"kind": KIND, "model": lm.name, "fingerprint": lm.fingerprint, "sha256": sha, **extra}
+    tmp = folder / f".{META}.tmp"
+    tmp.write_text(json.dumps(meta, indent=1))
+    tmp.replace(folder / META)
+    return sha
+
+
+def check(folder: str | Path, name: str, fingerprint: str) -> dict:
+    """The adapter folder's metadata, after checking that it is complete, undamaged and made for
+    this base model (an embedded model's name pins its weights, so its adapters serve it in any
+    dtype; another model must match the fingerprint). A ValueError names the folder and what was
+    expected."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"LoRA adapter {str(folder)!r}: no such folder (expected one written by `cacheclip train lora`)")
+    missing = [n for n in (*FILES, META) if not (folder / n).is_file()]
+    if missing:
+        raise ValueError(f"LoRA adapter {str(folder)!r} lacks {missing}: expected {[*FILES, META]}")
+    try:
+        meta = json.loads((folder / META).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"LoRA adapter {str(folder)!r}: {META} is unreadable ({err})") from err
+    if not isinstance(meta, dict) or meta.get("kind") != KIND:
+        raise ValueError(f"LoRA adapter {str(folder)!r}: {META} is not of kind {KIND!r}")
+    sha = files_digest(folder)
+    if sha != meta.get("sha256"):
+        raise ValueError(f"LoRA adapter {str(folder)!r}: its files hash to {sha}, {META} records {meta.get('sha256')!r} "
+                         "(damaged or edited)")
+    if meta.get("fingerprint") != fingerprint and not (name in EMBEDDED and meta.get("model") == name):
+        raise ValueError(f"LoRA adapter {str(folder)!r} was trained for {meta.get('model')!r} "
+                         f"(fingerprint {meta.get('fingerprint')!r}); this model is {name!r} ({fingerprint!r})")
+    return meta
+
+
+def merged(model, folder: str | Path):
+    """The base `model` with the adapter's LoRA merged into its weights (a plain model again)."""
+    from peft import PeftModel
+
+    try:
+        return PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+    except (RuntimeError, ValueError, KeyError) as err:  # shapes or module names of another model
+        raise ValueError(f"LoRA adapter {str(folder)!r} does not fit this model: {err}") from err
+
+
+def tuned_fingerprint(base: str, sha: str) -> str:
+    """A tuned model's fingerprint: the base one combined with the adapter files' hash."""
+    return hashlib.sha256(f"{base}+lora:{sha}".encode()).hexdigest()[:32]
+
+
+def apply(lm: LoadedModel, folder: str | Path, copy: bool = True) -> LoadedModel:
+    """`lm` tuned by the adapter in `folder` (checked, then merged): a new LoadedModel named
+    "<name>+lora" whose fingerprint includes the adapter's hash. copy=False merges into lm's own
+    weights (a freshly loaded model nobody else holds)."""
+    import copy as copy_lib
+
+    meta = check(folder, lm.name, lm.fingerprint)
+    model = merged(copy_lib.deepcopy(lm.model) if copy else lm.model, folder).eval()
+    tuned = LoadedModel(name=f"{lm.name}+lora", model=model, tokenizer=lm.tokenizer,
+                        fingerprint=tuned_fingerprint(lm.fingerprint, meta["sha256"]))
+    log.info("tuned %s with LoRA %s (sha256 %s)", lm.name, folder, meta["sha256"][:12])
+    return tuned

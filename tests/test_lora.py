@@ -1,0 +1,113 @@
+"""The concatenation-aware LoRA (peft) on tiny models: disabled == base, training lowers the loss,
+the adapter's hash separates namespaces, bad folders are refused by name."""
+
+import json
+
+import pytest
+import torch
+
+from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
+from cacheclip_rag import lora
+from cacheclip_rag.cli import main
+from cacheclip_rag.packets import Adapters
+from cacheclip_rag.train import LoraTrainConfig, examples, kl, train_lora
+
+from conftest import CORPUS, tiny_model
+
+SMALL = dict(samples=3, held_out=2, epochs=2, length=96, chunk_tokens=32, answer_tokens=3, batch=1, rank=4, alpha=8,
+             lr=5e-3)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_tokenizer, tmp_path_factory):
+    """A fresh tiny primary, its LoRA trained a few steps and saved; (base, peft model, folder, curve)."""
+    base = tiny_model("qwen2", tiny_tokenizer, seed=1, layers=3)
+    student = tiny_model("qwen2", tiny_tokenizer, seed=1, layers=3)  # trained in place: keep `base` pristine
+    peft_model, curve = train_lora(student, LoraTrainConfig(**SMALL))
+    folder = tmp_path_factory.mktemp("lora") / "tiny-lora"
+    sha = lora.save(peft_model, folder, student, {"curve": curve})
+    assert len(sha) == 64
+    return base, peft_model, folder, student
+
+
+def _logits(model, ids):
+    with torch.inference_mode():
+        return model(input_ids=ids[None]).logits[0]
+
+
+def test_a_few_steps_lower_the_block_attention_kl(trained):
+    """On the training requests (same seeds, teacher = the base model): the block-diagonal
+    student's KL with the LoRA on is below the base model's (LoRA off)."""
+    base, peft_model, _, student = trained
+    prefix, train_set, _ = examples(base, LoraTrainConfig(**SMALL))
+    plain = Adapters.initial(student, 0, 0)
+    with torch.no_grad():
+        tuned = sum(kl(student, plain, prefix, ex).item() for ex in train_set)
+        with peft_model.disable_adapter():
+            untuned = sum(kl(student, plain, prefix, ex).item() for ex in train_set)
+    assert tuned < untuned
+
+
+def test_disabled_lora_is_the_base_model_exactly(trained):
+    base, peft_model, _, _ = trained
+    ids = torch.arange(5, 40)
+    with peft_model.disable_adapter():
+        assert torch.equal(_logits(peft_model, ids), _logits(base.model, ids))
+    assert not torch.allclose(_logits(peft_model, ids), _logits(base.model, ids))  # trained: it does change
+
+
+def test_merged_adapter_serves_with_its_own_fingerprint_and_namespaces(trained, tiny_pair, tmp_path):
+    base, peft_model, folder, _ = trained
+    tuned = lora.apply(base, folder)
+    ids = torch.arange(5, 40)
+    torch.testing.assert_close(_logits(tuned.model, ids), _logits(peft_model, ids), atol=1e-4, rtol=1e-4)
+    assert tuned.fingerprint != base.fingerprint and tuned.name.endswith("+lora")
+    _, aux = tiny_pair
+    cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4), packets=None)
+    with CacheClipEngine(base, aux, tmp_path / "a", cfg) as plain, CacheClipEngine(tuned, aux, tmp_path / "b", cfg) as tuned_engine:
+        assert plain.primary.namespace != tuned_engine.primary.namespace
+        ids = tuned_engine.ingest(CORPUS[:3], progress=False)
+        for mode in ("full", "reuse", "cacheblend", "cacheclip"):
+            assert tuned_engine.answer("what is the code?", ids, mode=mode, max_new_tokens=2).mode == mode
+
+
+def test_missing_damaged_or_foreign_adapters_are_refused(trained, tiny_pair, tmp_path):
+    base, _, folder, _ = trained
+    with pytest.raises(ValueError, match="no such folder"):
+        lora.apply(base, tmp_path / "absent")
+    _, aux = tiny_pair
+    with pytest.raises(ValueError, match="was trained for"):
+        lora.apply(aux, folder)
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for name in (*lora.FILES, lora.META):
+        (damaged / name).write_bytes((folder / name).read_bytes())
+    data = bytearray((damaged / "adapter_model.safetensors").read_bytes())
+    data[-3] ^= 0xFF
+    (damaged / "adapter_model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="damaged"):
+        lora.apply(base, damaged)
+    (damaged / lora.META).write_text(json.dumps({"kind": "something else"}))
+    with pytest.raises(ValueError, match="not of kind"):
+        lora.apply(base, damaged)
+
+
+def test_bad_lora_config_is_refused():
+    with pytest.raises(ValueError, match="rank"):
+        LoraTrainConfig(rank=0)
+    with pytest.raises(ValueError, match="full_weight"):
+        LoraTrainConfig(full_weight=-1.0)
+
+
+def test_train_lora_from_the_command_line(tiny_pair, tmp_path, capsys):
+    primary, _ = tiny_pair
+    folder = tmp_path / "primary"
+    primary.model.save_pretrained(folder)
+    primary.tokenizer.save_pretrained(folder)
+    out = tmp_path / "lora-out"
+    args = ["train", "lora", "--primary", str(folder), "--dtype", "float32", "--out", str(out)]
+    for key, value in SMALL.items():
+        args += ["--" + key.replace("_", "-"), str(value)]
+    assert main(args) == 0
+    assert "held-out KL" in capsys.readouterr().out
+    assert (out / lora.META).is_file() and (out / "adapter_model.safetensors").is_file()
