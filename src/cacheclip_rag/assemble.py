@@ -68,11 +68,17 @@ class Layout:
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
 
+TEMPLATE = "<template>"
+"""The chunk-id slot of a piece that is template text (a chat's role markers): its special
+tokens are parsed, and it is never a chunk. Chunk ids are hex digests, so this never is one."""
+
+
 def build_layout(prefix_ids: torch.Tensor, pieces: list[tuple[str, str | None]], tokenize, suffix: str = "",
                  wrap=None) -> Layout:
     """Tokenize each piece on its own and place the pieces after the prefix.
 
-    pieces: (text, chunk_id or None) in order: user content. suffix: the template text that
+    pieces: (text, chunk_id or None) in order: user content; (text, TEMPLATE) for template text
+    between turns of a chat. suffix: the template text that
     closes the request (its special tokens are parsed). tokenize: (text, special) -> (ids [T],
     offsets [T, 2]). wrap: for a packet request, (ids, offsets) -> the chunk's rows as its packet
     cache holds them (`packets.wrap_ids`: soft rows around the tokens); plain text is never wrapped.
@@ -80,7 +86,8 @@ def build_layout(prefix_ids: torch.Tensor, pieces: list[tuple[str, str | None]],
     segments = []
     pos = int(prefix_ids.numel())
     ids = [prefix_ids]
-    for text, cid, special in [(t, c, False) for t, c in pieces] + ([(suffix, None, True)] if suffix else []):
+    for text, cid, special in [(t, None if c == TEMPLATE else c, c == TEMPLATE) for t, c in pieces] + (
+            [(suffix, None, True)] if suffix else []):
         seg_ids, offsets = tokenize(text, special)
         if seg_ids.numel() == 0:
             continue

@@ -185,6 +185,17 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """The OpenAI-compatible HTTP server and web page over one engine (`cacheclip_rag.server`)."""
+    from .server import serve
+
+    engine = _engine(args)
+    print(f"serving {engine.primary.lm.name} on http://{args.host}:{args.port}/ (OpenAI API under /v1; store {args.store})")
+    serve(engine, host=args.host, port=args.port, max_active=args.max_active, max_waiting=args.max_waiting,
+          default_max_tokens=args.max_tokens)
+    return 0
+
+
 def cmd_calibrate(args) -> int:
     from .calibrate import table
 
@@ -516,6 +527,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=None, help="default: 1e-3 (packet), 3e-4 (lora)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, ...) and a web page at /")
+    _common(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-active", type=int, default=2, help="requests generating at once")
+    p.add_argument("--max-waiting", type=int, default=8, help="requests queued beyond those; more get 503")
+    p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("store", help="inspect or heal a store: stats, verify, repair")
     _common(p)

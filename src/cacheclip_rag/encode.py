@@ -50,6 +50,69 @@ def chat_template(lm: LoadedModel, prompt: PromptConfig) -> Template:
     return template
 
 
+ROLES = ("system", "user", "assistant")
+
+
+def check_messages(messages) -> list[dict]:
+    """Chat messages as [{"role", "content"}], validated: roles system / user / assistant,
+    string contents, at least one user message, the last one from the user."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r}"[:300])
+    out = []
+    for i, m in enumerate(messages):
+        role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {list(ROLES)}, got {role!r}")
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        out.append({"role": role, "content": content})
+    if out[-1]["role"] != "user" or not out[-1]["content"].strip():
+        raise ValueError("the last message must be a non-empty user message")
+    return out
+
+
+def chat_frame(lm: LoadedModel, prompt: PromptConfig, messages: list[dict]) -> tuple[list[str], list[str]]:
+    """A conversation in the model's chat template, cut into what the engine's frame needs:
+    (contents, glue) with rendered == template.prefix + contents[0] + glue[0] + contents[1] + ...
+    + contents[-1] + template.suffix, where each glue string is template text (role markers;
+    its special tokens are parsed) and each content is user text (never parsed for them).
+
+    The shared prefix (the engine's system prompt) is kept so chunk caches stay valid; a
+    system message from the caller is put at the head of the first user turn, as plain text.
+    A model without a chat template gets "User: / Assistant:" lines.
+    """
+    messages = check_messages(messages)
+    system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
+    turns = [dict(m) for m in messages if m["role"] != "system"]
+    if turns[0]["role"] != "user":
+        turns.insert(0, {"role": "user", "content": ""})
+    if system:
+        turns[0]["content"] = f"{system}\n\n{turns[0]['content']}"
+    contents = [t["content"] for t in turns]
+    tok, template = lm.tokenizer, chat_template(lm, prompt)
+    marks = [f"\x00CACHECLIP-TURN-{i}\x00" for i in range(len(turns))]
+    if getattr(tok, "chat_template", None):
+        placed = [{"role": "system", "content": prompt.system_prompt}]
+        placed += [{"role": t["role"], "content": mark} for t, mark in zip(turns, marks)]
+        rendered = tok.apply_chat_template(placed, tokenize=False, add_generation_prompt=True)
+    else:
+        rendered = template.prefix + "".join(
+            mark if i == 0 else f"\n{t['role'].capitalize()}: {mark}" for i, (t, mark) in enumerate(zip(turns, marks))
+        ) + template.suffix
+    if template.prefix.startswith(tok.bos_token or "\x00") and not rendered.startswith(template.prefix):
+        rendered = tok.bos_token + rendered
+    parts, rest = [], rendered
+    for mark in marks:
+        head, found, rest = rest.partition(mark)
+        if not found:
+            raise ValueError(f"the chat template of {lm.name!r} drops a message; cannot frame this conversation")
+        parts.append(head)
+    if parts[0] != template.prefix or rest != template.suffix:
+        raise ValueError(f"the chat template of {lm.name!r} frames a conversation unlike a single turn; "
+                         "its chat requests are not supported")
+    return contents, parts[1:]
+
+
 def tokenize(lm: LoadedModel, text: str, special: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids [T] and character offsets [T, 2] of one segment, tokenized on its own.
 

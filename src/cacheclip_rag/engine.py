@@ -137,6 +137,10 @@ class CacheClipEngine:
             raise ValueError("no retrievable chunk: the index entries found have no text in the store (run `cacheclip store repair`)")
         return live
 
+    def chunk_texts(self, chunk_ids: list[str]) -> list[tuple[str, str]]:
+        """[(id, text)] of stored chunks, in the given order; an unknown id is a ValueError."""
+        return self._preparer.chunk_texts(chunk_ids)
+
     def prepare(self, question: str | None = None, chunk_ids: list[str] | None = None, *, prompt: str | None = None,
                 k: int | None = None, **options) -> Prepared:
         """A request made ready to run, without running it: its layout, its chunk caches (primary
@@ -185,6 +189,19 @@ class CacheClipEngine:
     ) -> AnswerStream:
         """Like `generate`, yielding text pieces as they are decoded; `.answer` is set at the end."""
         return self.run(self._preparer.generate(prompt, chunk_ids, retrieve, k, kwargs))
+
+    def chat(self, messages: list[dict], chunk_ids: list[str] | None = None, *, retrieve: bool = True,
+             k: int | None = None, **kwargs) -> Answer:
+        """Answer a conversation ([{"role": "system" | "user" | "assistant", "content": str}], the
+        last from the user) through the primary's chat template. Stored chunk texts in any message
+        are reused from their caches; a conversation with none is answered from the top-k chunks
+        retrieved for its last message (retrieve=False: from nothing). kwargs as for `answer`."""
+        return self.stream_chat(messages, chunk_ids, retrieve=retrieve, k=k, **kwargs).collect()
+
+    def stream_chat(self, messages: list[dict], chunk_ids: list[str] | None = None, *, retrieve: bool = True,
+                    k: int | None = None, **kwargs) -> AnswerStream:
+        """Like `chat`, yielding text pieces as they are decoded; `.answer` is set at the end."""
+        return self.run(self._preparer.chat(messages, chunk_ids, retrieve, k, kwargs))
 
     @staticmethod
     def modes() -> tuple[str, ...]:

@@ -72,12 +72,8 @@ class LayerFeeder:
 
     def _run(self) -> None:
         try:
-            for i in range(self._lm.num_layers):
-                start = time.perf_counter()
-                self._fill(i)
-                self.busy += time.perf_counter() - start
-                self._ready[i].set()
-            self._publish()
+            with torch.inference_mode():  # the cache may be an inference tensor (made under inference mode)
+                self._fill_all()
         except BaseException as err:  # handed to the waiting recompute thread, re-raised there
             self._error = err
             for event in self._ready:
@@ -86,6 +82,14 @@ class LayerFeeder:
             for source in self._sources.values():
                 if isinstance(source, LayerReader):
                     source.close()
+
+    def _fill_all(self) -> None:
+        for i in range(self._lm.num_layers):
+            start = time.perf_counter()
+            self._fill(i)
+            self.busy += time.perf_counter() - start
+            self._ready[i].set()
+        self._publish()
 
     def _publish(self) -> None:
         """Hand each chunk read from disk, now whole, to the memory tier."""

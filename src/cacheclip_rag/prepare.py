@@ -20,9 +20,9 @@ from . import plan
 from .assemble import Layout, build_layout
 from .caches import ChunkCaches
 from .config import EngineConfig, SelectConfig
-from .encode import tokenize
+from .encode import chat_frame, tokenize
 from .recognize import ChunkMatcher
-from .request import Request, RequestOptions, check_text, prompt_pieces, question_pieces
+from .request import Request, RequestOptions, chat_pieces, check_text, prompt_pieces, question_pieces
 from .select import scoring_layers
 from .store import ChunkKV, KVStore
 
@@ -128,6 +128,32 @@ class Preparer:
                 return self.question(prompt, None, k=k, **options)
             log.warning("no stored chunk text found in the prompt: nothing is reused (%d prompt chars)", len(prompt))
         return prepared
+
+    def chat(self, messages: list[dict], chunk_ids: list[str] | None, retrieve: bool, k: int | None,
+             options: dict) -> Prepared:
+        """A conversation through the model's chat template (`encode.chat_frame`); stored chunk
+        texts in any message are reused. With chunk_ids, only those are looked for and each must
+        be present; if none is, they are placed before the last message, as a question over them.
+        With retrieve=True, a conversation holding no stored chunk gets the top-k chunks retrieved
+        for its last message, placed the same way."""
+        contents, glue = chat_frame(self.primary.lm, self.config.prompt, messages)
+        opts = RequestOptions.parse(**options)
+        only = set(self.check_ids(chunk_ids)) if chunk_ids is not None else None
+        found = [self.matcher.find(c, only) if c else [] for c in contents]
+        ids = [cid for hits in found for _, _, cid in hits]
+        if not ids and (chunk_ids is not None or retrieve):
+            question = contents[-1]
+            chunks = self.chunk_texts(chunk_ids) if chunk_ids is not None else \
+                self.chunk_texts([cid for cid, _ in self._retrieve(question, k)])
+            last, aux_query = question_pieces(question, chunks, self.config.prompt)
+            head, _ = chat_pieces(contents[:-1] + [""], glue, found[:-1] + [[]])
+            return self._prepared(opts, [cid for cid, _ in chunks], head + last, aux_query)
+        if chunk_ids is not None:
+            missing = [cid for cid in chunk_ids if cid not in ids]
+            if missing:
+                raise ValueError(f"chunk ids {missing} were given but their texts are not in the messages")
+        pieces, aux_query = chat_pieces(contents, glue, found)
+        return self._prepared(opts, ids, pieces, aux_query)
 
     def _find(self, prompt: str, chunk_ids: list[str] | None) -> list[tuple[int, int, str]]:
         """[(start, end, chunk id)] of the stored chunk texts in the prompt (only `chunk_ids`'s,

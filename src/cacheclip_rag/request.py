@@ -14,13 +14,14 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from .assemble import Layout
+from .assemble import TEMPLATE, Layout
 from . import plan
 from .config import PromptConfig, SelectConfig, check_budget, check_ratio
 from .generate import DecodeOptions
 
 Piece = tuple[str, "str | None"]
-"""(text, chunk id) for a stored chunk's text, (text, None) for text computed for this request."""
+"""(text, chunk id) for a stored chunk's text, (text, None) for text computed for this request,
+(text, TEMPLATE) for template text between a chat's turns (computed, special tokens parsed)."""
 
 
 @dataclass(frozen=True)
@@ -116,23 +117,46 @@ def question_pieces(question: str, chunks: list[tuple[str, str]], prompt: Prompt
     return pieces, query
 
 
-def prompt_pieces(prompt: str, found: list[tuple[int, int, str]]) -> tuple[list[Piece], str]:
-    """A finished prompt in which stored chunk texts were found at [(start, end, chunk id)] (sorted,
-    disjoint). Returns the pieces and the aux query: the text after the last chunk when it has
-    any, else all the text outside chunks."""
+def content_pieces(text: str, found: list[tuple[int, int, str]]) -> tuple[list[Piece], str]:
+    """User text cut at the stored chunk texts found in it [(start, end, chunk id)] (sorted,
+    disjoint): the pieces up to the last chunk's end, and the text after it."""
     pieces: list[Piece] = []
     pos = 0
     for start, end, cid in found:
         if start > pos:
-            pieces.append((prompt[pos:start], None))
-        pieces.append((prompt[start:end], cid))
+            pieces.append((text[pos:start], None))
+        pieces.append((text[start:end], cid))
         pos = end
-    tail = prompt[pos:]
+    return pieces, text[pos:]
+
+
+def prompt_pieces(prompt: str, found: list[tuple[int, int, str]]) -> tuple[list[Piece], str]:
+    """A finished prompt in which stored chunk texts were found at [(start, end, chunk id)] (sorted,
+    disjoint). Returns the pieces and the aux query: the text after the last chunk when it has
+    any, else all the text outside chunks."""
+    pieces, tail = content_pieces(prompt, found)
     if not tail.strip():
         tail = tail or "\n"
     pieces.append((tail, None))
     uncached = "".join(text for text, cid in pieces if cid is None)
     return pieces, tail if tail.strip() else uncached
+
+
+def chat_pieces(contents: list[str], glue: list[str], found: list[list[tuple[int, int, str]]]) -> tuple[list[Piece], str]:
+    """A conversation (`encode.chat_frame`'s contents and glue) with the stored chunk texts
+    found in each content. Returns the pieces and the aux query: the last message's text after
+    its last chunk, else the whole last message."""
+    pieces: list[Piece] = []
+    for i, (content, hits) in enumerate(zip(contents, found)):
+        if i:
+            pieces.append((glue[i - 1], TEMPLATE))
+        head, tail = content_pieces(content, hits)
+        pieces.extend(head)
+        if tail:
+            pieces.append((tail, None))
+    last, hits = contents[-1], found[-1]
+    tail = last[hits[-1][1]:] if hits else last
+    return pieces, tail if tail.strip() else last
 
 
 @dataclass
