@@ -45,3 +45,11 @@ class EngineLLMFields(BaseModel):
                     "temperature": self.temperature, "k": self.k}
         opts = request_options(defaults, overrides)
         return self.engine.stream_generate(prompt, opts.pop("chunk_ids", None), retrieve=self.retrieve, **fixed, **opts)
+
+    def start_chat(self, messages: list[dict], overrides: dict[str, Any], **fixed: Any) -> AnswerStream:
+        """Stream the answer to a conversation ([{"role", "content"}]) through the engine's chat
+        path (chunk texts in the messages reused; retrieval when none, if `retrieve`)."""
+        defaults = {"mode": self.mode, "recompute_ratio": self.recompute_ratio, "max_new_tokens": self.max_new_tokens,
+                    "temperature": self.temperature, "k": self.k}
+        opts = request_options(defaults, overrides)
+        return self.engine.stream_chat(messages, opts.pop("chunk_ids", None), retrieve=self.retrieve, **fixed, **opts)
