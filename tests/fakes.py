@@ -36,6 +36,10 @@ class FakeEngine:
         self.aux = SimpleNamespace(lm=SimpleNamespace(name="fake-aux"))
         self.config = SimpleNamespace(embedder="fake")
 
+    def stream_chat(self, messages, chunk_ids=None, **opts):
+        """The chat path: recorded with the messages in the prompt's place."""
+        return self.stream_generate(messages, chunk_ids, **opts)
+
     def stream_generate(self, prompt, chunk_ids=None, **opts):
         self.calls.append((prompt, chunk_ids, opts))
         text = "".join(self.pieces)

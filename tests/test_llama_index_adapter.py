@@ -30,11 +30,22 @@ def test_stream_complete_yields_deltas_then_metadata():
     assert out[-1].text == "Hello world" and out[-1].additional_kwargs["cached_tokens"] == 8
 
 
-def test_chat_goes_through_completion():
+def test_chat_goes_through_the_chat_path():
     engine = FakeEngine()
-    resp = CacheClipLLM(engine=engine).chat([ChatMessage(role="user", content="What is up?")])
-    assert resp.message.content == "Hello world"
-    assert "What is up?" in engine.calls[0][0]
+    llm = CacheClipLLM(engine=engine)
+    resp = llm.chat([ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="What is up?")],
+                    mode="reuse")
+    assert resp.message.content == "Hello world" and resp.additional_kwargs["mode"] == "reuse"
+    assert engine.calls[0][0] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is up?"}]
+    assert [r.delta for r in llm.stream_chat([ChatMessage(role="user", content="q")])] == ["Hel", "lo", " world", ""]
+    with pytest.raises(ValueError, match="role 'tool'"):
+        llm.chat([ChatMessage(role="tool", content="x")])
+
+    async def achat():
+        gen = await llm.astream_chat([ChatMessage(role="user", content="q")])
+        return (await llm.achat([ChatMessage(role="user", content="q")])).message.content, [r.delta async for r in gen]
+
+    assert asyncio.run(achat()) == ("Hello world", ["Hel", "lo", " world", ""])
 
 
 def test_async_does_not_block_and_overlaps():
@@ -64,18 +75,19 @@ def test_vector_store_query_engine_reuses_chunks(real_engine):
     question = "Who is the mayor of Valdmark?"
 
     # Stock query engine: the prompt LlamaIndex builds (template, metadata headers) is recognised.
+    # A chat model to LlamaIndex: its QA prompt arrives as chat messages.
     streams = []
-    original = real_engine.stream_generate
+    original = real_engine.stream_chat
 
     def spy(*args, **kwargs):
         streams.append(original(*args, **kwargs))
         return streams[-1]
 
-    real_engine.stream_generate = spy
+    real_engine.stream_chat = spy
     try:
         response = index.as_query_engine(llm=llm, similarity_top_k=2).query(question)
     finally:
-        del real_engine.stream_generate
+        del real_engine.stream_chat
     assert "Ingrid Halvorsen" in str(response)
     answer = streams[-1].answer
     assert answer.chunk_ids == [n.node.node_id for n in response.source_nodes]
@@ -86,3 +98,14 @@ def test_vector_store_query_engine_reuses_chunks(real_engine):
     ours = qe.query(question)
     assert "Ingrid Halvorsen" in str(ours)
     assert ours.metadata["reused_chunk_ids"] == [n.node.node_id for n in ours.source_nodes]
+
+    # The chat path in a stock chat engine over the index: retrieved context goes into the system
+    # message, where the engine finds the chunk texts and reuses their caches.
+    chat_engine = index.as_chat_engine(chat_mode="context", llm=llm, similarity_top_k=2)
+    real_engine.stream_chat = spy
+    try:
+        reply = chat_engine.chat(question)
+    finally:
+        del real_engine.stream_chat
+    assert "Ingrid Halvorsen" in str(reply)
+    assert streams[-1].answer.chunk_ids and streams[-1].answer.cached_tokens > streams[-1].answer.computed_tokens

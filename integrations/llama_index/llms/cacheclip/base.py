@@ -7,13 +7,17 @@ from typing import Any
 
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
     CompletionResponse,
     CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
 )
 from llama_index.core.base.response.schema import Response
-from llama_index.core.llms.callbacks import llm_completion_callback
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.retrievers import BaseRetriever
@@ -28,7 +32,8 @@ class CacheClipLLM(EngineLLMFields, CustomLLM):
 
     Chunk texts found in the prompt are reused (LlamaIndex's metadata header before a node's
     text is simply recomputed); a prompt with no stored chunk is answered from the engine's own
-    retrieval. Chat goes through the completion path.
+    retrieval. Chat goes through the primary's chat template (`CacheClipEngine.chat`): chunk
+    texts in any message are reused, a conversation with none is answered from retrieval.
     """
 
     @classmethod
@@ -41,7 +46,7 @@ class CacheClipLLM(EngineLLMFields, CustomLLM):
             context_window=self.engine.primary.lm.max_positions,
             num_output=self.max_new_tokens,
             model_name=f"cacheclip:{self.engine.primary.lm.name}+{self.engine.aux.lm.name}",
-            is_chat_model=False,
+            is_chat_model=True,
         )
 
     def _start(self, prompt: str, kwargs: dict[str, Any]):
@@ -85,6 +90,64 @@ class CacheClipLLM(EngineLLMFields, CustomLLM):
                 text += piece
                 yield CompletionResponse(text=text, delta=piece)
             yield CompletionResponse(text=text, delta="", additional_kwargs=stream.answer.metadata())
+
+        return gen()
+
+
+    # ----- chat: messages through the chat template ---------------------------------------
+
+    def _start_chat(self, messages: list[ChatMessage], kwargs: dict[str, Any]):
+        turns = []
+        for i, m in enumerate(messages):
+            role = getattr(m.role, "value", m.role)
+            if role not in ("system", "user", "assistant"):
+                raise ValueError(f"message {i} has role {role!r}; CacheClipLLM chats with system, user and assistant messages")
+            turns.append({"role": role, "content": m.content or ""})
+        return self.start_chat(turns, {key: v for key, v in kwargs.items() if key != "formatted"})
+
+    @staticmethod
+    def _reply(text: str, stream, delta: str | None = None, done: bool = False) -> ChatResponse:
+        extra = stream.answer.metadata() if done else {}
+        return ChatResponse(message=ChatMessage(role="assistant", content=text), delta=delta, additional_kwargs=extra)
+
+    @llm_chat_callback()
+    def chat(self, messages: list[ChatMessage], **kwargs: Any) -> ChatResponse:
+        stream = self._start_chat(messages, kwargs)
+        for _ in stream:
+            pass
+        return self._reply(stream.answer.text, stream, done=True)
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: list[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        stream = self._start_chat(messages, kwargs)
+
+        def gen() -> ChatResponseGen:
+            text = ""
+            for piece in stream:
+                text += piece
+                yield self._reply(text, stream, piece)
+            yield self._reply(text, stream, "", done=True)
+
+        return gen()
+
+    @llm_chat_callback()
+    async def achat(self, messages: list[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """Runs in a worker thread: the event loop stays free."""
+        stream = await asyncio.to_thread(self._start_chat, messages, kwargs)
+        await asyncio.to_thread(lambda: [None for _ in stream])
+        return self._reply(stream.answer.text, stream, done=True)
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: list[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        stream = await asyncio.to_thread(self._start_chat, messages, kwargs)
+        done = object()
+
+        async def gen() -> ChatResponseAsyncGen:
+            text = ""
+            while (piece := await asyncio.to_thread(next, stream, done)) is not done:
+                text += piece
+                yield self._reply(text, stream, piece)
+            yield self._reply(text, stream, "", done=True)
 
         return gen()
 
