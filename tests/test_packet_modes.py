@@ -122,3 +122,20 @@ def test_foreign_or_missing_adapter_files_are_refused(tiny_pair, adapter_file, t
         CacheClipEngine(primary, aux, tmp_path / "s2", EngineConfig(packets=str(tmp_path / "none.safetensors")))
     with pytest.raises(ValueError, match="packets must be"):
         EngineConfig(packets="")
+
+
+def test_fidelity_and_deviation_benches_on_packet_caches(eng):
+    """The packet modes replay through the packet cache; the packet deviation bench compares it
+    with a full prefill of the wrapped sequence."""
+    from cacheclip_rag.eval import deviation, fidelity
+
+    modes = [("reuse", 0.0), ("packet", 0.0), ("packet+cacheclip", 0.3)]
+    results = fidelity.run(eng, modes, variants=["multivalue"], lengths=[150], samples=1, answer_tokens=3)
+    by_mode = {r.mode: r for r in results}
+    assert set(by_mode) == {"reuse", "packet", "packet+cacheclip"}
+    assert by_mode["packet"].effective_fraction == 0.0 < by_mode["packet+cacheclip"].effective_fraction
+    deviations, forced = deviation.run(eng, [0.3], variants=["multivalue"], lengths=[150], samples=1,
+                                       answer_tokens=3, packets=True)
+    assert deviations and {r.mode for r in forced} == {"packet-deviation", "packet-deviation-L1", "packet+cacheclip"}
+    # The first packet follows the prefix in both caches: its rows differ by rounding only.
+    assert max(deviations[0].k_first) < 1e-3 and max(deviations[0].v_first) < 1e-3

@@ -363,10 +363,12 @@ def _bench_deviation(args) -> int:
     engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
     deviations, results = deviation.run(engine, args.ratios, variants=args.variants, lengths=args.lengths,
                                         samples=args.samples, seed=args.seed, answer_tokens=args.max_new_tokens,
-                                        budget=args.budget, progress=_progress(args))
+                                        budget=args.budget, progress=_progress(args), packets=args.packets)
     if not deviations:
         raise ValueError("full attention answered none of the samples; nothing to compare")
-    print("Relative deviation of the reused cache from full prefill, |full - reused| / |full|, mean over rows:")
+    what = "the KV Packet cache from a full prefill of the wrapped sequence" if args.packets else \
+        "the reused cache from full prefill"
+    print(f"Relative deviation of {what}, |full - reused| / |full|, mean over rows:")
     print(deviation.layer_table(deviations))
     print(deviation.concentration(deviations))
     print("\nFidelity to full attention of the rows each criterion picks:")
@@ -374,7 +376,7 @@ def _bench_deviation(args) -> int:
     print(fidelity.table(rows))
     pairs = _print_versus(args, results, rows, "kl", "Paired KL differences on the same samples (negative: closer "
                           "to full; 95% bootstrap interval; W/L: higher/lower KL):", scale=1, digits=4,
-                          default_mode="oracle")
+                          default_mode="packet+cacheclip" if args.packets else "oracle")
     if args.json:
         deviation.write_json(deviations, results, rows, args.json, pairs)
     return 0
@@ -576,6 +578,8 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="QA from a JSON Lines file: every mode on the same examples")
     _common(p, store_default=str(cache_dir() / "eval-store"))
+    p.add_argument("--packets", action="store_true",
+                   help="deviation: measure the KV Packet caches (against a full prefill of the wrapped sequence)")
     p.add_argument("--dataset", default=str(resources.files("cacheclip_rag") / "data" / "qa_invented.jsonl"))
     p.add_argument("--modes", nargs="+", default=None)
     p.add_argument("--ratios", type=float, nargs="+", default=[0.2])

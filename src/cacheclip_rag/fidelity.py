@@ -10,6 +10,7 @@ continuous, so a few samples separate selectors that a needle table cannot.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,8 @@ class Reference:
     base_cache: AssembledCache
     answer: torch.Tensor
     full_logprobs: torch.Tensor
+    embed: Callable | None = None
+    """For a packet reference: how its rows embed (soft rows as the adapter vectors)."""
 
     def forced(self, engine: CacheClipEngine, selected: torch.Tensor) -> torch.Tensor:
         """Log-probabilities [T, vocab] at each answer position with `selected` chunk rows (and every
@@ -45,7 +48,8 @@ class Reference:
         cache = self.base_cache.copy()
         ids = torch.cat([layout.input_ids, answer[:-1]])
         rows = torch.unique(torch.cat([layout.uncached_rows(), selected, torch.arange(n, n + t - 1)]))
-        result = recompute_rows(engine.primary.lm, cache, ids, rows, backend=engine.config.attention_backend, tail=t)
+        result = recompute_rows(engine.primary.lm, cache, ids, rows, backend=engine.config.attention_backend, tail=t,
+                                embed=self.embed)
         logits = result.tail_logits if t > 1 else result.logits[None]
         return torch.log_softmax(logits, dim=-1)
 
@@ -66,6 +70,18 @@ def reference(engine: CacheClipEngine, question: str, chunk_ids: list[str], answ
     ref = Reference(layout, base, answer, torch.empty(0))
     ref.full_logprobs = ref.forced(engine, layout.chunk_rows())
     return ref
+
+
+@torch.inference_mode()
+def packet_reference(engine: CacheClipEngine, ref: Reference, question: str, chunk_ids: list[str]) -> Reference:
+    """The same request on KV Packet caches: the packet layout (soft rows around each chunk) and
+    its reused cache, with `ref`'s answer and full attention's log-probabilities, so forcing
+    rows through it measures the packet modes against plain full attention."""
+    prepared = engine.prepare(question, chunk_ids, mode="packet")
+    layout = prepared.layout
+    base = assemble(engine.primary.lm, layout, prepared.prefix_kv(), prepared.chunk_kvs(),
+                    capacity=layout.num_tokens + ref.answer.numel())
+    return Reference(layout, base, ref.answer, ref.full_logprobs, embed=prepared.embed())
 
 
 def kl_positions(full: torch.Tensor, other: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,11 @@ Then chunk rows are chosen three ways at each ratio and teacher-forced like `ben
 criterion could pick knowing every layer exactly), `deviation-L<c>` (K deviation at CacheBlend's
 check layer c alone: CacheBlend's own criterion, exact), and `oracle` (the primary's last-layer
 attention from the question). Analysis only: each needs a full prefill.
+
+With packets=True the reused cache is the request's KV Packet caches and the reference is a full
+prefill of the wrapped sequence (the packet modes' 100% oracle); the rows chosen are by
+deviation and by `packet+cacheclip`, forced through the packet cache and compared with plain
+full attention's answer distribution. Is the deviation smaller, more concentrated?
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..engine import CacheClipEngine
-from ..fidelity import Reference, reference
+from ..fidelity import Reference, packet_reference, reference
 from ..recompute import AssembledCache, recompute_rows
 from .fidelity import FidelityResult, mode_rows, replay
 from .needle import suite
@@ -51,7 +56,8 @@ def full_cache(engine: CacheClipEngine, ref: Reference) -> AssembledCache:
     layout = ref.layout
     cache = ref.base_cache.copy()
     rows = torch.unique(torch.cat([layout.uncached_rows(), layout.chunk_rows()]))
-    recompute_rows(engine.primary.lm, cache, layout.input_ids, rows, backend=engine.config.attention_backend)
+    recompute_rows(engine.primary.lm, cache, layout.input_ids, rows, backend=engine.config.attention_backend,
+                   embed=ref.embed)
     return cache
 
 
@@ -93,8 +99,10 @@ def run(
     answer_tokens: int = 64,
     budget: str = "keep",
     progress=None,
+    packets: bool = False,
 ) -> tuple[list[DeviationResult], list[FidelityResult]]:
-    """Per sample: the deviation profile, and the fidelity of deviation- and attention-chosen rows."""
+    """Per sample: the deviation profile, and the fidelity of deviation- and attention-chosen rows
+    (packets: of the KV Packet caches; see the module docstring)."""
     if not ratios or not all(0 < r < 1 for r in ratios):
         raise ValueError(f"ratios must be fractions strictly between 0 and 1, got {ratios!r}")
     check = engine.config.baselines.cacheblend_check_layer
@@ -104,6 +112,8 @@ def run(
         ref = reference(engine, sample.question, ids, answer_tokens)
         if ref is None:
             continue
+        if packets:
+            ref = packet_reference(engine, ref, sample.question, ids)
         k, v = kv_deviation(engine, ref)
         first = ref.layout.chunk_segments()[0]
         n_first = first.end - first.start
@@ -119,8 +129,11 @@ def run(
             chosen = {
                 "deviation": top_rows(chunk_rows, overall, ratio),
                 f"deviation-L{check}": top_rows(chunk_rows, k[check], ratio),
-                "oracle": mode_rows(engine, sample.question, ids, ref, "oracle", ratio, sample_seed, budget),
             }
+            selector = "packet+cacheclip" if packets else "oracle"
+            chosen[selector] = mode_rows(engine, sample.question, ids, ref, selector, ratio, sample_seed, budget)
+            if packets:
+                chosen = {f"packet-{m}" if m.startswith("deviation") else m: r for m, r in chosen.items()}
             for mode, rows in chosen.items():
                 fidelity.append(replay(engine, ref, rows, length, variant, sample_seed, mode, ratio))
     return deviations, fidelity

@@ -8,7 +8,8 @@ and the share of samples where every position agrees (greedy decoding would repr
 attention's answer). No label is read; the needle score is `bench niah`'s business.
 
 Modes whose recompute is one set of rows: reuse, random, epic, cacheclip, cacheclip-paper,
-oracle. CacheBlend chooses its rows inside the layer loop and APE changes attention itself, so
+oracle, and the packet modes (forced through the request's KV Packet caches, compared with plain
+full attention: what the adapters buy, with and without recompute). CacheBlend chooses its rows inside the layer loop and APE changes attention itself, so
 neither has a row set to replay; they are refused.
 """
 
@@ -23,13 +24,14 @@ from pathlib import Path
 import torch
 
 from ..engine import CacheClipEngine
-from ..fidelity import Reference, kl_positions, reference, top1_agreement
+from .. import plan
+from ..fidelity import Reference, kl_positions, packet_reference, reference, top1_agreement
 from .needle import PAPER_MODE, by_variants, label, request_for, suite
 from .stats import bootstrap_interval, mean_of_means
 
 log = logging.getLogger(__name__)
 
-ROW_MODES = ("reuse", "random", "epic", "cacheclip", PAPER_MODE, "oracle")
+ROW_MODES = ("reuse", "random", "epic", "cacheclip", PAPER_MODE, "oracle", "packet", "packet+cacheclip")
 
 
 @dataclass
@@ -71,9 +73,14 @@ def run(
         if ref is None:
             log.warning("%s %s seed %d: full attention answered nothing; skipped", length, variant, sample_seed)
             continue
+        packet_ref = None
         for mode, ratio in modes:
-            rows = mode_rows(engine, sample.question, ids, ref, mode, ratio, sample_seed, budget)
-            results.append(replay(engine, ref, rows, length, variant, sample_seed, mode, ratio))
+            on = ref
+            if mode != PAPER_MODE and plan.get(mode).packets:
+                packet_ref = packet_ref or packet_reference(engine, ref, sample.question, ids)
+                on = packet_ref
+            rows = mode_rows(engine, sample.question, ids, on, mode, ratio, sample_seed, budget)
+            results.append(replay(engine, on, rows, length, variant, sample_seed, mode, ratio))
     return results
 
 
