@@ -567,6 +567,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated (fidelity: answer tokens compared)")
+    p.add_argument("--packets", action="store_true",
+                   help="deviation: measure the KV Packet caches (against a full prefill of the wrapped sequence)")
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--plot", default=None, help="write PNGs next to this path (niah: -quality, -ttft; ttft: -breakdown, -ratio)")
     p.add_argument("--from", dest="from_json", nargs="+", default=None, metavar="JSON",
@@ -578,9 +580,8 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="QA from a JSON Lines file: every mode on the same examples")
     _common(p, store_default=str(cache_dir() / "eval-store"))
-    p.add_argument("--packets", action="store_true",
-                   help="deviation: measure the KV Packet caches (against a full prefill of the wrapped sequence)")
     p.add_argument("--dataset", default=str(resources.files("cacheclip_rag") / "data" / "qa_invented.jsonl"))
+    p.add_argument("--score-layers", type=int, nargs="+", default=None, help="aux scoring layers (default: profile or last)")
     p.add_argument("--modes", nargs="+", default=None)
     p.add_argument("--ratios", type=float, nargs="+", default=[0.2])
     p.add_argument("--limit", type=int, default=None, help="first N examples only")
