@@ -3,39 +3,19 @@ client, LangChain's ChatOpenAI and LlamaIndex's OpenAILike; concurrency, overloa
 bad bodies."""
 
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import uvicorn
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
+from cacheclip_rag.server import BackgroundServer as Server
 from cacheclip_rag.server import create_app
 
-from conftest import CORPUS, _free_port
+from conftest import CORPUS
 
 QUESTION = "What is the code in the kitchen drawer?"
-
-
-class Server:
-    """An app served by uvicorn on a thread (stopped by `stop`)."""
-
-    def __init__(self, app):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        for _ in range(200):
-            if self.server.started:
-                break
-            time.sleep(0.05)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 def _engine(cls, tiny_pair, path):
@@ -237,3 +217,14 @@ def test_a_client_that_disconnects_frees_its_slot(slow):
     ok = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": QUESTION}],
                                                                "max_tokens": 1}, timeout=60)
     assert ok.status_code == 200
+
+
+def test_http_ttft_bench_on_tiny_models(tiny_pair, tmp_path):
+    """`bench http`'s runner: both paths measured on the same requests, same answers."""
+    from cacheclip_rag.eval import http
+
+    engine = _engine(CacheClipEngine, tiny_pair, tmp_path)
+    rows = http.run(engine, [120], [("cacheclip", 0.3), ("reuse", 0.0)], runs=2, max_new_tokens=3)
+    assert [r.mode for r in rows] == ["cacheclip", "reuse"] and all(r.same_text for r in rows)
+    assert all(r.engine_ttft > 0 and r.http_ttft > 0 for r in rows) and "HTTP/engine" in http.table(rows)
+    engine.close()

@@ -301,6 +301,16 @@ def cmd_bench(args) -> int:
         return _bench_fidelity(args)
     if args.what == "deviation":
         return _bench_deviation(args)
+    if args.what == "http":
+        from .eval import http
+
+        engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
+        rows = http.run(engine, args.lengths, _mode_list(args.modes or ["cacheclip"], args.ratios), runs=args.runs,
+                        max_new_tokens=min(args.max_new_tokens, 16))
+        print(http.table(rows))
+        if args.json:
+            http.write_json(rows, args.json)
+        return 0
     from .eval import ttft
 
     engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
@@ -553,7 +563,8 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks: niah (needle suite), fidelity (KL to full attention), deviation "
                        "(reused vs full K/V, and selecting by it), ttft, alignment")
     _common(p, store_default=str(cache_dir() / "bench-store"))
-    p.add_argument("what", choices=["niah", "fidelity", "deviation", "ttft", "alignment"])
+    p.add_argument("what", choices=["niah", "fidelity", "deviation", "ttft", "alignment", "http"],
+                   help="http: TTFT through `cacheclip serve` against the engine's own, same requests")
     p.add_argument("--lengths", type=int, nargs="+", default=[2048], help="context lengths in primary tokens")
     p.add_argument("--modes", nargs="+", default=None, help=f"modes to compare (from {list(plan.modes())}, and cacheclip-paper: last aux layer, paper rule); "
                    "full is always run")
