@@ -19,7 +19,7 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables.config import run_in_executor
 
-from cacheclip_rag.adapters import EngineLLMFields
+from cacheclip_rag.adapters import EngineLLMFields, apieces
 
 _ROLES = ((SystemMessage, "system"), (HumanMessage, "user"), (AIMessage, "assistant"))
 
@@ -96,11 +96,7 @@ class ChatCacheClip(EngineLLMFields, BaseChatModel):
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         """Each decoding step runs in a worker thread, so the event loop is never blocked."""
         stream = await run_in_executor(None, self._start, messages, stop, kwargs)
-        done = object()
-        while True:
-            piece = await run_in_executor(None, next, stream, done)
-            if piece is done:
-                break
+        async for piece in apieces(stream):
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
             if run_manager:
                 await run_manager.on_llm_new_token(piece, chunk=chunk)

@@ -17,7 +17,7 @@ from langchain_core.language_models.llms import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.runnables.config import run_in_executor
 
-from cacheclip_rag.adapters import EngineLLMFields
+from cacheclip_rag.adapters import EngineLLMFields, apieces
 
 
 class CacheClipLLM(EngineLLMFields, BaseLLM):
@@ -104,11 +104,7 @@ class CacheClipLLM(EngineLLMFields, BaseLLM):
     ) -> AsyncIterator[GenerationChunk]:
         """Each decoding step runs in a worker thread, so the event loop is never blocked."""
         stream = await run_in_executor(None, self._start, prompt, stop, kwargs)
-        done = object()
-        while True:
-            piece = await run_in_executor(None, next, stream, done)
-            if piece is done:
-                break
+        async for piece in apieces(stream):
             chunk = GenerationChunk(text=piece)
             if run_manager:
                 await run_manager.on_llm_new_token(piece, chunk=chunk)

@@ -6,6 +6,8 @@ frameworks bring); each adds its framework's methods on top and stays a thin tra
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -53,3 +55,11 @@ class EngineLLMFields(BaseModel):
                     "temperature": self.temperature, "k": self.k}
         opts = request_options(defaults, overrides)
         return self.engine.stream_chat(messages, opts.pop("chunk_ids", None), retrieve=self.retrieve, **fixed, **opts)
+
+
+async def apieces(stream: AnswerStream) -> AsyncIterator[str]:
+    """The stream's text pieces, each decoding step in a worker thread (contextvars copied), so
+    the event loop is never blocked."""
+    done = object()
+    while (piece := await asyncio.to_thread(next, stream, done)) is not done:
+        yield piece

@@ -24,7 +24,7 @@ from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import BaseNode, MetadataMode, TextNode
 from pydantic import ConfigDict, PrivateAttr
 
-from cacheclip_rag.adapters import EngineLLMFields
+from cacheclip_rag.adapters import EngineLLMFields, apieces
 
 
 class CacheClipLLM(EngineLLMFields, CustomLLM):
@@ -82,11 +82,10 @@ class CacheClipLLM(EngineLLMFields, CustomLLM):
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
         stream = await asyncio.to_thread(self._start, prompt, kwargs)
-        done = object()
 
         async def gen() -> CompletionResponseAsyncGen:
             text = ""
-            while (piece := await asyncio.to_thread(next, stream, done)) is not done:
+            async for piece in apieces(stream):
                 text += piece
                 yield CompletionResponse(text=text, delta=piece)
             yield CompletionResponse(text=text, delta="", additional_kwargs=stream.answer.metadata())
@@ -140,11 +139,10 @@ class CacheClipLLM(EngineLLMFields, CustomLLM):
     @llm_chat_callback()
     async def astream_chat(self, messages: list[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         stream = await asyncio.to_thread(self._start_chat, messages, kwargs)
-        done = object()
 
         async def gen() -> ChatResponseAsyncGen:
             text = ""
-            while (piece := await asyncio.to_thread(next, stream, done)) is not done:
+            async for piece in apieces(stream):
                 text += piece
                 yield self._reply(text, stream, piece)
             yield self._reply(text, stream, "", done=True)
