@@ -69,6 +69,33 @@ def test_answer_in_one_chunk_with_cacheclip(pair, tmp_path):
     assert answer.timings["ttft"] > 0
 
 
+def test_shipped_packet_adapters_load_match_their_pin_and_serve(pair, tmp_path, monkeypatch):
+    """A new store uses the shipped adapters with no training; a tampered copy is refused by name."""
+    from cacheclip_rag import packets
+
+    primary, aux = pair
+    assert primary.name in packets.SHIPPED
+    docs, _ = _demo_documents()
+    engine = CacheClipEngine(primary, aux, tmp_path / "store", EngineConfig(chunk=ChunkConfig(chunk_tokens=256)))
+    assert engine.packets is not None and engine.packets.adapters.shape == (8, 8)
+    ids = engine.ingest(docs[:5], progress=False, packets=True)
+    question = "What is the access code of the Harbor Lab records vault?"
+    plain = engine.answer(question, chunk_ids=ids, mode="reuse", max_new_tokens=4)
+    packet = engine.answer(question, chunk_ids=ids, mode="packet", max_new_tokens=24)
+    both = engine.answer(question, chunk_ids=ids, mode="packet+cacheclip", recompute_ratio=0.2, max_new_tokens=24)
+    assert packet.prompt_tokens == plain.prompt_tokens + 16 * len(ids) and "4721-9930" in both.text
+    assert packet.effective_fraction == 0.0 < both.effective_fraction < 0.3
+    name, pin = packets.SHIPPED[primary.name]
+    tampered = tmp_path / "adapters"
+    tampered.mkdir()
+    data = bytearray((packets.SHIPPED_DIR / name).read_bytes())
+    data[-1] ^= 0x01
+    (tampered / name).write_bytes(bytes(data))
+    monkeypatch.setattr(packets, "SHIPPED_DIR", tampered)
+    with pytest.raises(ValueError, match=f"{name}.*pinned {pin}"):
+        packets.resolve_adapters("auto", primary)
+
+
 # ----- Gemma 3 270M: the second family (sliding-window layers, two RoPE thetas, sandwich norms) ----
 
 

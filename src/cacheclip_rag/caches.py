@@ -118,10 +118,6 @@ class ChunkCaches:
     def has(self, chunk_id: str) -> bool:
         return self.store.get_kv(self.namespace, chunk_id) is not None
 
-    @property
-    def packets(self) -> bool:
-        return self.adapters is not None
-
     def encode(self, chunk_id: str, text: str | None = None) -> ChunkKV:
         """Prefill the chunk (as a packet, with adapters) after the shared prefix and store its cache."""
         if text is None:
