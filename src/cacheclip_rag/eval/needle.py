@@ -74,15 +74,17 @@ def run(
     """modes: (mode, ratio) pairs; full (ratio 1) is always run, as the reference."""
     if ("full", 1.0) not in modes:
         modes = [("full", 1.0), *modes]
+    packets = uses_packets(modes)
     results: list[NeedleResult] = []
-    for length, variant, sample_seed, sample, ids in suite(engine, variants, lengths, samples, seed, progress):
-        needle_rows, chunk_rows = _needle_rows(engine, sample, ids)
+    for length, variant, sample_seed, sample, ids in suite(engine, variants, lengths, samples, seed, progress, packets):
+        layouts = {on: _needle_rows(engine, sample, ids, on) for on in {_on_packets(m) for m, _ in modes}}
         oracle: dict[float, set[int]] = {}  # ratio -> the oracle's chunk rows, when it runs
         rows_of: list[tuple[NeedleResult, set[int]]] = []
         full_ttft = None
         for mode, ratio in modes:
             ans = engine.answer(sample.question, chunk_ids=ids, recompute_ratio=ratio,
                                 max_new_tokens=max_new_tokens, seed=sample_seed, **request_for(mode, budget))
+            needle_rows, chunk_rows = layouts[_on_packets(mode)]
             recomputed = set(ans.recomputed) & chunk_rows
             t = ans.timings
             if mode == "full":
@@ -105,6 +107,16 @@ def run(
     return results
 
 
+def _on_packets(mode: str) -> bool:
+    return mode != PAPER_MODE and plan.get(mode).packets
+
+
+def uses_packets(modes: list[tuple[str, float]]) -> bool:
+    """Whether any of the (mode, ratio) pairs runs on KV Packet caches (a bench then builds them
+    at ingest, so that no timed request does)."""
+    return any(_on_packets(m) for m, _ in modes)
+
+
 def suite(
     engine: CacheClipEngine,
     variants: list[str] | None,
@@ -112,10 +124,12 @@ def suite(
     samples: int,
     seed: int,
     progress=None,
+    packets: bool = False,
 ) -> Iterator[tuple[int, str, int, NeedleSample, list[str]]]:
-    """The samples a needle-suite bench runs on, generated and ingested, one at a time:
-    (length, variant, seed, sample, chunk ids). Evaluation seeds must stay below the calibration
-    seeds (ValueError before anything runs); progress(message) is called after each sample."""
+    """The samples a needle-suite bench runs on, generated and ingested (with their KV Packet
+    caches when `packets`, so no timed request builds them), one at a time: (length, variant,
+    seed, sample, chunk ids). Evaluation seeds must stay below the calibration seeds (ValueError
+    before anything runs); progress(message) is called after each sample."""
     from ..calibrate import CALIBRATION_SEED_BASE
 
     if seed + samples > CALIBRATION_SEED_BASE:
@@ -125,24 +139,26 @@ def suite(
         for variant in variants:
             for i in range(samples):
                 sample = generate(variant, length, seed + i, engine.primary.lm.tokenizer)
-                ids = engine.ingest([sample.context], progress=False)
+                ids = engine.ingest([sample.context], progress=False, packets=packets)
                 yield length, variant, seed + i, sample, ids
                 if progress:
                     progress(f"{length} {variant} sample {i + 1}/{samples}")
 
 
-def _needle_rows(engine: CacheClipEngine, sample, ids: list[str]) -> tuple[set[int], set[int]]:
-    """Primary positions of the needle values' tokens, and of all chunk tokens, in the request."""
-    layout = engine.prepare(sample.question, ids).layout
+def _needle_rows(engine: CacheClipEngine, sample, ids: list[str], packets: bool = False) -> tuple[set[int], set[int]]:
+    """Primary positions of the needle values' tokens, and of all chunk rows, in the request's
+    layout (the packet layout, soft rows among the chunk rows, when `packets`)."""
+    layout = engine.prepare(sample.question, ids, mode="packet" if packets else "full").layout
     needle, chunk = set(), set()
     for seg in layout.chunk_segments():
         chunk.update(range(seg.start, seg.end))
+        text_rows = (seg.ids >= 0).tolist()
         for value in sample.expected:
             start = seg.text.find(value)
             while start >= 0:
                 end = start + len(value)
                 for t, (s, e) in enumerate(seg.offsets.tolist()):
-                    if s < end and max(e, s + 1) > start:
+                    if text_rows[t] and s < end and max(e, s + 1) > start:
                         needle.add(seg.start + t)
                 start = seg.text.find(value, end)
     return needle, chunk

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..engine import CacheClipEngine
+from .needle import uses_packets
 from .metrics import best_of, exact_match, normalize, rouge_l, token_f1
 
 
@@ -84,8 +85,9 @@ def run(engine: CacheClipEngine, examples: list[QAExample], modes: list[tuple[st
     if ("full", 1.0) not in modes:
         modes = [("full", 1.0), *modes]
     results = []
+    packets = uses_packets(modes)
     for i, ex in enumerate(examples):
-        ids = engine.ingest([dict(c) for c in ex.contexts], progress=False, split=False)
+        ids = engine.ingest([dict(c) for c in ex.contexts], progress=False, split=False, packets=packets)
         for mode, ratio in modes:
             ans = engine.answer(ex.question, chunk_ids=ids, mode=mode, recompute_ratio=ratio, max_new_tokens=max_new_tokens)
             pred = ans.text

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..engine import CacheClipEngine
 from ..haystack import needle_context
+from .needle import uses_packets
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def run(
     rows: list[TTFTRow] = []
     for length in lengths:
         context, question, expected = needle_context(engine.primary.lm.tokenizer, length, seed + length)
-        ids = engine.ingest([context], progress=False)
+        ids = engine.ingest([context], progress=False, packets=uses_packets(modes))  # packet caches too: no timed request builds one
         engine.answer(question, chunk_ids=ids, mode="cacheclip", max_new_tokens=1)  # warm-up
         samples: dict[tuple[str, float], list] = {m: [] for m in modes}
         peaks: dict[tuple[str, float], list] = {m: [] for m in modes}
