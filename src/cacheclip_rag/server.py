@@ -182,6 +182,19 @@ def selection_spans(trace: list[dict]) -> list[dict]:
     return out
 
 
+def _produce(stream: AnswerStream, queue: asyncio.Queue, stop: threading.Event, loop: asyncio.AbstractEventLoop) -> None:
+    """Worker thread: decode the stream into the event loop's queue until it ends or `stop`."""
+    try:
+        for piece in stream:
+            if stop.is_set():
+                return
+            loop.call_soon_threadsafe(queue.put_nowait, ("piece", piece))
+        loop.call_soon_threadsafe(queue.put_nowait, ("done", stream.answer))
+    except Exception as err:  # noqa: BLE001 - reported to the client as an error event
+        log.exception("generation failed")
+        loop.call_soon_threadsafe(queue.put_nowait, ("error", err))
+
+
 def _metadata(answer: Answer, trace: list[dict]) -> dict:
     meta = answer.metadata()
     meta["ttft_s"] = answer.timings.get("ttft")
@@ -261,27 +274,18 @@ def create_app(engine: CacheClipEngine, *, max_active: int = 2, max_waiting: int
             return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion", "created": created,
                     "model": served, "choices": [choice], "usage": _usage(answer),
                     "cacheclip": _metadata(answer, stream.trace)}
-        return StreamingResponse(_events(stream, rid, created, kind, max_new), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def _events(stream: AnswerStream, rid: str, created: int, kind: str, max_new: int) -> AsyncIterator[str]:
-        loop = asyncio.get_running_loop()
+        # Generation starts now, on a worker thread, and frees the slot when it ends, whether or
+        # not the client ever reads the stream; a client that goes away sets `stop`.
         queue: asyncio.Queue = asyncio.Queue()
         stop = threading.Event()
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(pool, _produce, stream, queue, stop, loop)
+        future.add_done_callback(lambda _: gate.leave())
+        return StreamingResponse(_events(stream, queue, stop, rid, created, kind, max_new),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-        def produce() -> None:
-            try:
-                for piece in stream:
-                    if stop.is_set():
-                        return
-                    loop.call_soon_threadsafe(queue.put_nowait, ("piece", piece))
-                loop.call_soon_threadsafe(queue.put_nowait, ("done", stream.answer))
-            except Exception as err:  # noqa: BLE001 - reported to the client as an error event
-                log.exception("generation failed")
-                loop.call_soon_threadsafe(queue.put_nowait, ("error", err))
-
-        future = loop.run_in_executor(pool, produce)
-        future.add_done_callback(lambda _: gate.leave())  # the slot frees when generation stops
+    async def _events(stream: AnswerStream, queue: asyncio.Queue, stop: threading.Event, rid: str, created: int,
+                      kind: str, max_new: int) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         def event(delta: str | None, finish: str | None = None, **extra) -> str:
