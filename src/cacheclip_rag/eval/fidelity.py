@@ -124,11 +124,11 @@ def summarize(results: list[FidelityResult]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'len':>5} {'mode':<20} {'n':>4} {'KL(full||·)':>11} {'95% CI':>17} {'top-1 agree':>11} {'exact':>6} {'eff%':>5}"
+    head = f"{'len':>5} {'mode':<23} {'n':>4} {'KL(full||·)':>11} {'95% CI':>17} {'top-1 agree':>11} {'exact':>6} {'eff%':>5}"
     lines = [head, "-" * len(head)]
     for r in rows:
         ci = "[{:.4f}, {:.4f}]".format(*r["kl_ci95"])
-        lines.append(f"{r['length']:>5} {r['label']:<20} {r['samples']:>4} {r['kl']:>11.4f} {ci:>17} "
+        lines.append(f"{r['length']:>5} {r['label']:<23} {r['samples']:>4} {r['kl']:>11.4f} {ci:>17} "
                      f"{100 * r['agreement']:>10.1f}% {100 * r['exact']:>5.0f}% {100 * r['effective_fraction']:>5.1f}")
     return "\n".join(lines)
 

@@ -276,12 +276,12 @@ def versus_table(pairs: list[dict], scale: float = 100, digits: int = 1) -> str:
     """Differences (and intervals) times `scale`, with `digits` decimals."""
     fmt = lambda x: f"{scale * x:+.{digits}f}"  # noqa: E731
     width = 2 * (digits + 4) + 4
-    head = f"{'len':>5} {'mode':<16} {'minus':<20} {'n':>4} {'diff':>{digits + 5}} {'95% CI':>{width}} {'W/L':>7}"
+    head = f"{'len':>5} {'mode':<20} {'minus':<20} {'n':>4} {'diff':>{digits + 5}} {'95% CI':>{width}} {'W/L':>7}"
     lines = [head, "-" * len(head)]
     for p in pairs:
         lo, hi = p["diff_ci95"]
         w, lo_count = p["wins_losses"]
-        lines.append(f"{p['length']:>5} {p['label']:<16} {p['other']:<20} {p['samples']:>4} {fmt(p['diff']):>{digits + 5}} "
+        lines.append(f"{p['length']:>5} {p['label']:<20} {p['other']:<20} {p['samples']:>4} {fmt(p['diff']):>{digits + 5}} "
                      f"{f'[{fmt(lo)}, {fmt(hi)}]':>{width}} {f'{w}/{lo_count}':>7}")
     return "\n".join(lines)
 
@@ -289,14 +289,14 @@ def versus_table(pairs: list[dict], scale: float = 100, digits: int = 1) -> str:
 def table(rows: list[dict]) -> str:
     variants = [v for v in VARIANTS if any(v in r["variants"] for r in rows)]
     short = {v: v.replace("multikey", "mk").replace("single", "s").replace("multivalue", "mv").replace("multiquery", "mq") for v in variants}
-    head = f"{'len':>5} {'mode':<16} " + " ".join(f"{short[v]:>5}" for v in variants) + \
+    head = f"{'len':>5} {'mode':<20} " + " ".join(f"{short[v]:>5}" for v in variants) + \
         f" {'avg':>6} {'95% CI':>11} {'%full':>6} {'eff%':>5} {'needle%':>7} {'∩oracle':>7} {'TTFT/full':>9} {'W/L vs reuse':>12}"
     lines = [head, "-" * len(head)]
     for r in rows:
         cells = " ".join(f"{100 * r['variants'].get(v, float('nan')):>5.0f}" for v in variants)
         w, lo = r["wins_losses_vs_reuse"]
         ci = "[{:.0f}, {:.0f}]".format(*(100 * x for x in r["avg_ci95"]))
-        lines.append(f"{r['length']:>5} {r['label']:<16} {cells} {100 * r['avg']:>6.1f} {ci:>11} {r['pct_of_full']:>6.1f} "
+        lines.append(f"{r['length']:>5} {r['label']:<20} {cells} {100 * r['avg']:>6.1f} {ci:>11} {r['pct_of_full']:>6.1f} "
                      f"{100 * r['effective_fraction']:>5.1f} {100 * r['needle_coverage']:>7.1f} {r['oracle_overlap']:>7.2f} "
                      f"{r['ttft_vs_full']:>9.3f} {f'{w}/{lo}':>12}")
     return "\n".join(lines)

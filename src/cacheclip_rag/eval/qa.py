@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..engine import CacheClipEngine
-from .needle import uses_packets
+from .needle import label, uses_packets
 from .metrics import best_of, exact_match, normalize, rouge_l, token_f1
 
 
@@ -118,11 +118,10 @@ def summarize(results: list[QAResult]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'mode':<16} {'n':>3} {'F1':>6} {'EM':>6} {'ROUGE-L':>8} {'contains':>8} {'F1 %full':>8} {'eff%':>5} {'TTFT/full':>9}"
+    head = f"{'mode':<20} {'n':>3} {'F1':>6} {'EM':>6} {'ROUGE-L':>8} {'contains':>8} {'F1 %full':>8} {'eff%':>5} {'TTFT/full':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        label = r["mode"] if r["mode"] in ("full", "reuse", "ape") else f"{r['mode']}@{r['ratio']:g}"
-        lines.append(f"{label:<16} {r['n']:>3} {100 * r['f1']:>6.1f} {100 * r['em']:>6.1f} {100 * r['rouge_l']:>8.1f} "
+        lines.append(f"{label(r['mode'], r['ratio']):<20} {r['n']:>3} {100 * r['f1']:>6.1f} {100 * r['em']:>6.1f} {100 * r['rouge_l']:>8.1f} "
                      f"{100 * r['contains']:>8.1f} {r['f1_pct_of_full']:>8.1f} {100 * r['effective_fraction']:>5.1f} {r['ttft_vs_full']:>9.3f}")
     return "\n".join(lines)
 
