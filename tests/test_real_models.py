@@ -94,6 +94,9 @@ def test_shipped_packet_adapters_load_match_their_pin_and_serve(pair, tmp_path, 
     monkeypatch.setattr(packets, "SHIPPED_DIR", tampered)
     with pytest.raises(ValueError, match=f"{name}.*pinned {pin}"):
         packets.resolve_adapters("auto", primary)
+    (tampered / name).unlink()
+    with pytest.raises(ValueError, match=f"{name}: the shipped KV Packet adapters are missing"):
+        packets.resolve_adapters("auto", primary)
 
 
 # ----- Gemma 3 270M: the second family (sliding-window layers, two RoPE thetas, sandwich norms) ----

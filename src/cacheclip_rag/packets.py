@@ -111,6 +111,9 @@ def resolve_adapters(spec: str | None, lm: LoadedModel) -> Adapters | None:
         if path is None:
             return None
         expected = SHIPPED[lm.name][1]
+        if not path.is_file():
+            raise ValueError(f"{path}: the shipped KV Packet adapters are missing from the installed package "
+                             f"(expected sha256 {expected}); reinstall it, or set EngineConfig.packets=None")
         actual = hashlib.sha256(path.read_bytes()).hexdigest()
         if actual != expected:
             raise ValueError(f"{path}: the shipped adapters hash to {actual}, pinned {expected}; reinstall the package")
