@@ -8,7 +8,11 @@ two-hop facts, plain prose, in turn) with seeds disjoint from every evaluation a
 seed (TRAIN_SEED_BASE and up). Updates average `batch` requests (gradient accumulation) with
 Adam and a linear learning-rate decay; the epoch with the lowest held-out KL is kept (the paper
 selects its epoch on a disjoint set too). Adapters are saved as safetensors with the model
-fingerprint, their shape and sha256; loading checks all three.
+fingerprint, their shape and sha256; loading (`packets.load_adapters`) checks all three.
+
+`train_lora` trains the concatenation-aware LoRA (issue 16) with the same teacher, data and fit
+loop: the student is the plain block-diagonal form plus a full-attention term (`lora.py` saves,
+checks and merges it).
 """
 
 from __future__ import annotations
