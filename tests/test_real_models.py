@@ -152,3 +152,17 @@ def test_gemma3_as_primary_and_as_aux(gemma, pair, tmp_path):
     answer = as_aux.answer(question, mode="cacheclip", recompute_ratio=0.2, max_new_tokens=32)
     assert "4721-9930" in answer.text
     assert 0 < answer.effective_fraction < 0.5
+
+
+def test_a_new_store_uses_the_shipped_calibrated_profile(pair, tmp_path):
+    """Calibrated out of the box: no calibration run, the package's profile for the default pair."""
+    import json
+
+    from cacheclip_rag.calibrate import SHIPPED_PROFILES
+
+    primary, aux = pair
+    engine = CacheClipEngine(primary, aux, tmp_path / "store", EngineConfig())
+    shipped = json.loads((SHIPPED_PROFILES / f"{primary.name}+{aux.name}.json").read_text())
+    assert engine.store.read_profile() is None and engine.profile["source"] == "shipped"
+    assert engine.score_layers == tuple(shipped["aux_layers"])
+    assert engine.select_config().head_agg == shipped["head_agg"]

@@ -28,9 +28,12 @@ layers that find what the primary needs (docs/benchmarks.md); it is reported bes
 from __future__ import annotations
 
 import datetime as _dt
+import functools
+import json
 import logging
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -57,6 +60,28 @@ HARD_FRACTION = 0.25
 TOP_SINGLES = 5
 """Runs of adjacent layers are tried around this many of the best single layers."""
 
+
+
+SHIPPED_PROFILES = Path(__file__).parent / "data" / "profiles"
+"""Calibrated profiles shipped with the package, one file per embedded pair: `<primary>+<aux>.json`
+(the output of `cacheclip calibrate --json`, its "profile" object)."""
+
+
+def shipped_profile(primary_name: str, aux_name: str) -> dict | None:
+    """The package's calibrated profile for a pair of embedded models (their names pin their
+    weights, so it holds in any dtype), marked {"source": "shipped"}; None for any other pair."""
+    from .models import EMBEDDED
+
+    if primary_name not in EMBEDDED or aux_name not in EMBEDDED:
+        return None
+    profile = _read_shipped(f"{primary_name}+{aux_name}.json")
+    return {**profile, "source": "shipped"} if profile is not None else None
+
+
+@functools.lru_cache(maxsize=8)
+def _read_shipped(name: str) -> dict | None:
+    path = SHIPPED_PROFILES / name
+    return json.loads(path.read_text()) if path.is_file() else None
 
 @dataclass
 class CandidateScore:

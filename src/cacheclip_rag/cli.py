@@ -248,7 +248,8 @@ def cmd_store(args) -> int:
             print(f"  selection profile: {_profile_line(profile)} for {profile['primary_name']} + "
                   f"{profile['aux_name']} (calibrated {profile['created']})")
         else:
-            print("  selection profile: none (the aux model's last layer scores tokens; run `cacheclip calibrate`)")
+            print("  selection profile: none stored (the default pair uses the profile the package ships; other "
+                  "pairs score with the aux model's last layer until `cacheclip calibrate`)")
         return 0
     if args.action == "verify":
         report = store.verify()

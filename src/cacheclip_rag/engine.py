@@ -224,5 +224,11 @@ class CacheClipEngine:
 
     @property
     def profile(self) -> dict | None:
-        """The calibrated model-pair profile stored with the store, if it is for these models."""
-        return self.store.read_profile(self.primary.lm.fingerprint, self.aux.lm.fingerprint)
+        """The calibrated model-pair profile: the store's, if it is for these models, else the
+        one the package ships for the default pair (so a new store is calibrated out of the box)."""
+        stored = self.store.read_profile(self.primary.lm.fingerprint, self.aux.lm.fingerprint)
+        if stored is not None:
+            return stored
+        from .calibrate import shipped_profile
+
+        return shipped_profile(self.primary.lm.name, self.aux.lm.name)
