@@ -197,6 +197,7 @@ def recompute_rows(
             plans[window] = BlockPlan.build(rows, cache.num_tokens, window)
         return plans[window]
 
+    last = len(fam.layers) - 1
     for layer in range(len(fam.layers)):
         if layer_ready is not None:
             layer_ready(layer)
@@ -210,10 +211,14 @@ def recompute_rows(
         keys[:, :, rows] = k
         values[:, :, rows] = v
         scale, window = fam.scaling(layer), fam.window(layer)
+        q_rows, plan = rows, block_plan(window)
+        if layer == last and rows.numel() > tail:
+            # Every row's K/V is written; only the last `tail` rows' outputs reach the logits.
+            q, h, q_rows, plan = q[:, :, -tail:], h[:, -tail:], rows[-tail:], None
         if ape is not None:
-            out = attend_ape(q, keys, values, rows[None], scale, ape, window)
+            out = attend_ape(q, keys, values, q_rows[None], scale, ape, window)
         else:
-            out = attend(q, keys, values, rows[None], scale, backend, window, block_plan(window))
+            out = attend(q, keys, values, q_rows[None], scale, backend, window, plan)
         h = fam.finish(layer, h, out)
     logits = fam.logits(h[:, -tail:])[0].float().cpu()  # [tail, vocab], on the host for decoding
     return RecomputeResult(logits[-1], rows.cpu(), logits if tail > 1 else None)
