@@ -164,6 +164,7 @@ def cmd_train(args) -> int:
     lm = load(args.primary, ModelConfig(dtype=args.dtype))
     print(describe_cpu() + f"; training in {str(lm.dtype).removeprefix('torch.')}")
     start = time.perf_counter()
+    teacher = _progress_bar(cfg.samples + cfg.held_out, "teacher", "request")
     bar = _progress_bar(cfg.samples * cfg.epochs, "train", "step")
     if args.what == "lora":
         from dataclasses import asdict
@@ -171,12 +172,12 @@ def cmd_train(args) -> int:
         from . import lora
         from .train import train_lora
 
-        peft_model, curve = train_lora(lm, cfg, progress=bar)
+        peft_model, curve = train_lora(lm, cfg, progress=bar, teacher_progress=teacher)
         sha = lora.save(peft_model, args.out, lm, {"train_config": asdict(cfg), "curve": curve})
     else:
         from .train import save_adapters, train
 
-        adapters, curve = train(lm, cfg, progress=bar)
+        adapters, curve = train(lm, cfg, progress=bar, teacher_progress=teacher)
         sha = save_adapters(args.out, adapters, lm, cfg, curve)
     print(f"{'epoch':>5} {'train loss':>10} {'held-out KL':>12}")
     for row in curve:
@@ -267,13 +268,13 @@ def cmd_store(args) -> int:
 
 
 def _mode_list(modes: list[str], ratios: list[float]) -> list[tuple[str, float]]:
-    from .eval.needle import PAPER_MODE
+    from .eval.needle import BENCH_MODES
 
     out = []
     for mode in modes:
-        if mode not in (*plan.modes(), PAPER_MODE):
-            raise ValueError(f"mode must be one of {[*plan.modes(), PAPER_MODE]}, got {mode!r}")
-        fixed = plan.get(mode).fixed_ratio if mode != PAPER_MODE else None
+        if mode not in (*plan.modes(), *BENCH_MODES):
+            raise ValueError(f"mode must be one of {[*plan.modes(), *BENCH_MODES]}, got {mode!r}")
+        fixed = plan.get(mode).fixed_ratio if mode not in BENCH_MODES else None
         if fixed is not None:
             out.append((mode, fixed))
         else:
@@ -316,7 +317,7 @@ def cmd_bench(args) -> int:
 
     engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
     rows = ttft.run(engine, args.lengths, _mode_list(args.modes or ["full", "reuse", "cacheclip"], args.ratios),
-                    runs=args.runs, max_new_tokens=args.max_new_tokens)
+                    runs=args.runs, max_new_tokens=args.max_new_tokens, budget=args.budget)
     print(ttft.table(rows))
     if args.json:
         ttft.write_json(rows, args.json)
@@ -567,7 +568,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=["niah", "fidelity", "deviation", "ttft", "alignment", "http"],
                    help="http: TTFT through `cacheclip serve` against the engine's own, same requests")
     p.add_argument("--lengths", type=int, nargs="+", default=[2048], help="context lengths in primary tokens")
-    p.add_argument("--modes", nargs="+", default=None, help=f"modes to compare (from {list(plan.modes())}, and cacheclip-paper: last aux layer, paper rule); "
+    p.add_argument("--modes", nargs="+", default=None, help=f"modes to compare (from {list(plan.modes())}, and cacheclip-paper: last aux layer, paper rule; cacheclip-joint: "
+                   "the aux query reads all chunks at once); "
                    "full is always run")
     p.add_argument("--ratios", type=float, nargs="+", default=[0.2], help="recompute ratios for ratio modes")
     p.add_argument("--variants", nargs="+", default=None, help="needle variants (default: all eight)")

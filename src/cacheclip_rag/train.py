@@ -124,15 +124,19 @@ def kl(lm: LoadedModel, adapters: Adapters, prefix_ids: torch.Tensor, ex: Exampl
     return torch.nn.functional.kl_div(student, ex.teacher.to(student.device), log_target=True, reduction="batchmean")
 
 
-def examples(lm: LoadedModel, cfg: TrainConfig, prompt: PromptConfig | None = None
-             ) -> tuple[torch.Tensor, list[Example], list[Example]]:
-    """The shared prefix ids [P] and the generated (train, held-out) examples with their teacher."""
+def examples(lm: LoadedModel, cfg: TrainConfig, prompt: PromptConfig | None = None,
+             progress: Callable[[str], None] | None = None) -> tuple[torch.Tensor, list[Example], list[Example]]:
+    """The shared prefix ids [P] and the generated (train, held-out) examples with their teacher;
+    progress(message) is called after each of the samples + held_out examples."""
     prompt = prompt or PromptConfig()
     template = chat_template(lm, prompt)
     prefix_ids, _ = tokenize(lm, template.prefix, special=True)
     first = TRAIN_SEED_BASE + cfg.seed * 100_000
-    made = [make_example(lm, prefix_ids, template.suffix, prompt, KINDS[i % len(KINDS)], s, cfg)
-            for i, s in enumerate(range(first, first + cfg.samples + cfg.held_out))]
+    made = []
+    for i, s in enumerate(range(first, first + cfg.samples + cfg.held_out)):
+        made.append(make_example(lm, prefix_ids, template.suffix, prompt, KINDS[i % len(KINDS)], s, cfg))
+        if progress:
+            progress(f"{KINDS[i % len(KINDS)]} request {i + 1}")
     log.info("made %d training examples (teacher continuations of %d tokens)", len(made), cfg.answer_tokens)
     return prefix_ids, made[: cfg.samples], made[cfg.samples :]
 
@@ -188,9 +192,11 @@ def fit(objective: Objective, train_set: list[Example], held: list[Example], cfg
 
 
 def train(lm: LoadedModel, cfg: TrainConfig, prompt: PromptConfig | None = None,
-          progress: Callable[[str], None] | None = None) -> tuple[Adapters, list[dict]]:
-    """Train KV Packet adapters for `lm`; returns them and the per-epoch curve (train loss, held-out KL)."""
-    prefix_ids, train_set, held = examples(lm, cfg, prompt)
+          progress: Callable[[str], None] | None = None,
+          teacher_progress: Callable[[str], None] | None = None) -> tuple[Adapters, list[dict]]:
+    """Train KV Packet adapters for `lm`; returns them and the per-epoch curve (train loss, held-out
+    KL). progress: called per training step; teacher_progress: per example the teacher makes."""
+    prefix_ids, train_set, held = examples(lm, cfg, prompt, teacher_progress)
     for p in lm.model.parameters():
         p.requires_grad_(False)
     adapters = Adapters.initial(lm, cfg.n_header, cfg.n_trailer, seed=cfg.seed)
@@ -220,16 +226,17 @@ def save_adapters(path: str | Path, adapters: Adapters, lm: LoadedModel, cfg: Tr
 
 
 def train_lora(lm: LoadedModel, cfg: LoraTrainConfig, prompt: PromptConfig | None = None,
-               progress: Callable[[str], None] | None = None):
+               progress: Callable[[str], None] | None = None, teacher_progress: Callable[[str], None] | None = None):
     """Train a concatenation-aware LoRA on `lm` (issue 16): the student reads the documents
     encoded apart (block-diagonal mask, no adapters) and, weighted by full_weight, the whole
     request under full attention; both match the frozen model's full-attention continuation.
-    Returns (the peft model with the best epoch's LoRA loaded, curve); `lora.save` writes it."""
+    Returns (the peft model with the best epoch's LoRA loaded, curve); `lora.save` writes it.
+    progress and teacher_progress as for `train`."""
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
     from .lora import attach
 
-    prefix_ids, train_set, held = examples(lm, cfg, prompt)  # the teacher: the frozen base model
+    prefix_ids, train_set, held = examples(lm, cfg, prompt, teacher_progress)  # the teacher: the frozen base model
     peft_model = attach(lm, cfg.rank, cfg.alpha, seed=cfg.seed)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     plain = Adapters.initial(lm, 0, 0)
