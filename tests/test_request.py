@@ -25,6 +25,7 @@ def test_options_are_normalized():
     (dict(seed=True), "seed must be an integer"),
     (dict(score_layers=[]), "score_layers must be a non-empty list"),
     (dict(score_layers=["1"]), "score_layers must be a non-empty list"),
+    (dict(aux_context="all"), r"aux_context must be one of \['chunk', 'joint'\], got 'all'"),
     (dict(recompute_ratoi=0.1), r"unknown request options \['recompute_ratoi'\]"),
 ])
 def test_bad_options_name_what_was_given(bad, message):

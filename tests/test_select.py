@@ -134,3 +134,58 @@ def test_aux_scores_equal_a_full_prefills_attention_on_every_family(tiny_lm):
         ref = attention_from_rows(tiny_lm, ids, rows, list(layers))
         for layer in layers:
             torch.testing.assert_close(scores[layer][i], ref[layer][p : p + chunk.num_tokens].float(), atol=2e-5, rtol=1e-4)
+
+
+def _from_full_prefill(lm, prefix, texts):
+    """Chunk caches cut from one full prefill of [prefix + texts...], keys rotated back to
+    [P, P + L_i) as if each chunk had been encoded alone: joint scoring over them re-rotates them
+    to where they were, so it must reproduce the full prefill's attention exactly."""
+    from cacheclip_rag.assemble import rerotate
+    from cacheclip_rag.store import ChunkKV
+
+    parts = [tokenize(lm, t)[0] for t in texts]
+    ids = torch.cat([prefix.token_ids, *parts])
+    cache = lm.family.prefill(ids).cache
+    p, start, chunks = prefix.num_tokens, prefix.num_tokens, []
+    for part in parts:
+        end = start + part.numel()
+        keys = [rerotate(cache.layers[i].keys[0, :, start:end].float(), p - start, lm.family.inv_freq(i))
+                for i in range(lm.num_layers)]
+        values = [cache.layers[i].values[0, :, start:end].float() for i in range(lm.num_layers)]
+        offsets = torch.stack([torch.arange(part.numel()), torch.arange(part.numel()) + 1], dim=1)
+        chunks.append(ChunkKV(keys, values, part, offsets, p))
+        start = end
+    return ids, chunks
+
+
+def test_joint_scores_equal_a_full_prefills_attention_on_every_family(tiny_lm):
+    """Joint scoring reads every chunk at its assembled position: over caches that hold the
+    cross-chunk context (cut from a full prefill) it must equal the attention of the query rows in a
+    full prefill of [prefix + chunks + query], chunk columns in order."""
+    from cacheclip_rag.select import attention_from_rows, score_joint_by_layer
+
+    prefix = encode_prefix(tiny_lm, "System prompt.\n\n")
+    ids, chunks = _from_full_prefill(tiny_lm, prefix, [CORPUS[1], CORPUS[3], CORPUS[0]])
+    query, _ = tokenize(tiny_lm, "Question: what is the code of the record?")
+    layers = tuple(range(tiny_lm.num_layers))
+    scores = score_joint_by_layer(tiny_lm, prefix, chunks, query, layers=layers)
+    full = torch.cat([ids, query])
+    rows = torch.arange(ids.numel(), full.numel())
+    ref = attention_from_rows(tiny_lm, full, rows, list(layers))
+    p = prefix.num_tokens
+    for layer in layers:
+        got = torch.cat(scores[layer])
+        torch.testing.assert_close(got, ref[layer][p : ids.numel()].float(), atol=2e-5, rtol=1e-4)
+
+
+def test_joint_scoring_over_one_chunk_is_per_chunk_scoring(tiny_pair):
+    from cacheclip_rag.select import score_joint_by_layer
+
+    _, aux = tiny_pair
+    prefix = encode_prefix(aux, "System prompt.\n\n")
+    chunk = encode_segment(aux, prefix.token_ids, CORPUS[2])
+    query, _ = tokenize(aux, "Question: what is the code?")
+    joint = score_joint_by_layer(aux, prefix, [chunk], query, layers=(0, -1))
+    alone = score_chunks_by_layer(aux, prefix, [chunk], query, layers=(0, -1))
+    for layer in joint:
+        torch.testing.assert_close(joint[layer][0], alone[layer][0], atol=1e-5, rtol=1e-4)

@@ -95,3 +95,37 @@ def test_an_aux_selector_that_moves_positions_is_refused(tiny_pair, tmp_path):
                 engine.answer("What is the code?", chunk_ids=ids, mode="aux-mover", recompute_ratio=0.5, max_new_tokens=2)
     finally:
         plan.unregister(selector.name)
+
+
+def test_joint_aux_context_runs_through_the_api_and_falls_back_when_too_long(tiny_pair, tmp_path, caplog):
+    """aux_context="joint" (per request or in the config) scores with one query pass over every
+    chunk; a request longer than the aux model's positions is scored per chunk, logged."""
+    import dataclasses
+    import logging
+
+    from cacheclip_rag import SelectConfig
+
+    cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4))
+    with CacheClipEngine(*tiny_pair, tmp_path, cfg) as engine:
+        ids = engine.ingest(CORPUS, progress=False)[:4]
+        ask = dict(chunk_ids=ids, mode="cacheclip", recompute_ratio=0.3, max_new_tokens=2)
+        joint = engine.answer("What is the code?", aux_context="joint", **ask)
+        chunk = engine.answer("What is the code?", aux_context="chunk", **ask)
+        assert engine.select_config(context="joint").context == "joint" and engine.select_config().context == "chunk"
+        assert 0.2 < joint.effective_fraction < 0.45 and 0.2 < chunk.effective_fraction < 0.45
+        aux_config = engine.aux.lm.model.config
+        saved = aux_config.max_position_embeddings
+        try:
+            prepared = engine.prepare("What is the code?", ids, aux_context="joint")
+            lens = [kv.num_tokens for kv in prepared.aux_kvs()]
+            fixed = prepared.aux_prefix_kv().num_tokens + prepared.aux_query_ids().numel()
+            aux_config.max_position_embeddings = fixed + max(lens)  # each chunk fits, all of them do not
+            with caplog.at_level(logging.INFO, logger="cacheclip_rag"):
+                fallback = engine.answer("What is the code?", aux_context="joint", **ask)
+            assert "scoring per chunk" in caplog.text
+            assert fallback.recomputed == chunk.recomputed
+        finally:
+            aux_config.max_position_embeddings = saved
+    with pytest.raises(ValueError, match="context must be one of"):
+        SelectConfig(context="everything")
+    assert dataclasses.replace(SelectConfig(context="joint")).resolve().context == "joint"

@@ -35,6 +35,9 @@ class ChunkConfig:
             )
 
 
+AUX_CONTEXTS = ("chunk", "joint")
+
+
 @dataclass(frozen=True)
 class SelectConfig:
     """CacheClip token selection: how aux attention becomes one score per token, and grouping.
@@ -44,8 +47,13 @@ class SelectConfig:
     head_agg, row_agg: aggregation over heads and over query rows ("mean" or "max").
     normalize: "none" keeps each chunk's scores as the softmax gave them (each chunk had its own
         softmax over prefix + chunk + query); "chunk" rescales each chunk's scores to sum 1.
-    For each of these four, None means: the calibrated profile's choice, else the default
-    (last layer, "mean", "mean", "none"); a value set here overrides the profile.
+    For each of these five, None means: the calibrated profile's choice, else the default
+    (last layer, "mean", "mean", "none", "chunk"); a value set here overrides the profile.
+    context: what the aux query reads when it scores. "chunk" (the paper): each chunk with the
+        query, as a batch, one softmax per chunk; "joint": every chunk at once at its assembled
+        position, one softmax over all of them; the query runs once instead of once per chunk
+        and carries what one chunk says into its reading of the next. "joint" needs the whole
+        request within the aux model's positions; a longer one is scored per chunk.
     window, tau: grouping window w and density threshold tau (paper defaults 8 and 5).
     chunk_start_tokens: also recompute the first n tokens of every chunk (experimental, default
         0): each chunk was prefilled as the start of its own sequence, so its first tokens carry
@@ -57,6 +65,7 @@ class SelectConfig:
     head_agg: str | None = None
     row_agg: str | None = None
     normalize: str | None = None
+    context: str | None = None
     window: int = 8
     tau: int = 5
     chunk_start_tokens: int = 0
@@ -75,7 +84,8 @@ class SelectConfig:
             ):
                 raise ValueError(f"score_layers must be a non-empty tuple of layer indices or None, got {self.score_layers!r}")
             object.__setattr__(self, "score_layers", tuple(self.score_layers))
-        for name, allowed in (("head_agg", ("mean", "max")), ("row_agg", ("mean", "max")), ("normalize", ("none", "chunk"))):
+        for name, allowed in (("head_agg", ("mean", "max")), ("row_agg", ("mean", "max")), ("normalize", ("none", "chunk")),
+                              ("context", AUX_CONTEXTS)):
             if getattr(self, name) not in (*allowed, None):
                 raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
 
@@ -85,7 +95,8 @@ class SelectConfig:
         layers = self.score_layers or tuple(profile.get("aux_layers") or ()) or (-1,)
         pick = lambda name, default: getattr(self, name) or profile.get(name) or default  # noqa: E731
         return dataclasses.replace(self, score_layers=tuple(layers), head_agg=pick("head_agg", "mean"),
-                                   row_agg=pick("row_agg", "mean"), normalize=pick("normalize", "none"))
+                                   row_agg=pick("row_agg", "mean"), normalize=pick("normalize", "none"),
+                                   context=pick("context", "chunk"))
 
 
 BUDGETS = ("paper", "keep")

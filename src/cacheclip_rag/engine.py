@@ -215,12 +215,13 @@ class CacheClipEngine:
         """Aux scoring layers: the config's, else the calibrated profile of this pair, else the last."""
         return self.select_config().score_layers
 
-    def select_config(self, score_layers: tuple[int, ...] | None = None) -> SelectConfig:
-        """The selection config a request runs with, every scoring field set: `score_layers`
-        (a request's), else the engine config's fields, else the calibrated profile's (read from
-        the store now), else defaults."""
+    def select_config(self, score_layers: tuple[int, ...] | None = None, context: str | None = None) -> SelectConfig:
+        """The selection config a request runs with, every scoring field set: `score_layers` and
+        `context` (a request's), else the engine config's fields, else the calibrated profile's
+        (read from the store now), else defaults."""
         cfg = self.config.select.resolve(self.profile)
-        return dataclasses.replace(cfg, score_layers=score_layers) if score_layers else cfg
+        cfg = dataclasses.replace(cfg, score_layers=score_layers) if score_layers else cfg
+        return dataclasses.replace(cfg, context=context) if context else cfg
 
     @property
     def profile(self) -> dict | None:

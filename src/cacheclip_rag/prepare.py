@@ -175,7 +175,7 @@ class Preparer:
     def _prepared(self, opts: RequestOptions, chunk_ids: list[str], pieces, aux_query: str) -> Prepared:
         if opts.score_layers is not None:
             scoring_layers(self.aux.lm, opts.score_layers)  # range check against the aux model
-        request = Request.of(opts, self._select_config(opts.score_layers), chunk_ids, pieces, aux_query)
+        request = Request.of(opts, self._select_config(opts.score_layers, opts.aux_context), chunk_ids, pieces, aux_query)
         primary = self.primary
         if plan.get(opts.mode).packets:
             if self.packets is None:

@@ -16,7 +16,7 @@ import torch
 
 from .assemble import TEMPLATE, Layout
 from . import plan
-from .config import PromptConfig, SelectConfig, check_budget, check_ratio
+from .config import AUX_CONTEXTS, PromptConfig, SelectConfig, check_budget, check_ratio
 from .generate import DecodeOptions
 
 Piece = tuple[str, "str | None"]
@@ -33,7 +33,8 @@ class RequestOptions:
     ceil(ratio x chunk length)). seed: sampling and the random mode. budget: "keep" (candidates
     are added in score order until the grouped set reaches the ratio) or "paper" (the top ratio x
     tokens are candidates; grouping keeps what it keeps). score_layers: aux layers that score
-    tokens (default: the config's, else the calibrated profile's, else the last).
+    tokens (default: the config's, else the calibrated profile's, else the last). aux_context:
+    "chunk" or "joint", what the aux query reads when it scores (`SelectConfig.context`).
     """
 
     mode: str = "cacheclip"
@@ -45,6 +46,7 @@ class RequestOptions:
     seed: int = 0
     budget: str = "keep"
     score_layers: tuple[int, ...] | None = None
+    aux_context: str | None = None
 
     @classmethod
     def parse(cls, **options) -> RequestOptions:
@@ -60,6 +62,8 @@ class RequestOptions:
         epic = opts.epic_tokens
         if epic is not None and (not isinstance(epic, int) or isinstance(epic, bool) or epic < 0):
             raise ValueError(f"epic_tokens must be a non-negative integer or None, got {epic!r}")
+        if opts.aux_context not in (*AUX_CONTEXTS, None):
+            raise ValueError(f"aux_context must be one of {list(AUX_CONTEXTS)}, got {opts.aux_context!r}")
         if not isinstance(opts.seed, int) or isinstance(opts.seed, bool):
             raise ValueError(f"seed must be an integer, got {opts.seed!r}")
         return replace(opts, mode=plan.get(opts.mode).name, recompute_ratio=check_ratio(opts.recompute_ratio),

@@ -20,6 +20,7 @@ from .config import SelectConfig
 from .models import LoadedModel
 from cacheclip_kernels import causal_position_mask
 
+from .assemble import rerotate
 from .store import ChunkKV
 
 
@@ -101,6 +102,57 @@ def score_chunks_by_layer(
     raise AssertionError("scoring layer not reached")
 
 
+@torch.inference_mode()
+def score_joint_by_layer(
+    aux: LoadedModel,
+    prefix_kv: ChunkKV,
+    chunk_kvs: list[ChunkKV],
+    query_ids: torch.Tensor,
+    layers: tuple[int, ...] = (-1,),
+    head_agg: str = "mean",
+    row_agg: str = "mean",
+) -> dict[int, list[torch.Tensor]]:
+    """Like `score_chunks_by_layer`, but the query reads every chunk at once: one sequence
+    [prefix | chunk_1 | ... | chunk_B | query] at its assembled positions (each chunk's cached keys
+    re-rotated from [P, P + L_i) to where the chunk starts), one softmax per query row over all of
+    it. The query rows carry what earlier chunks said into their reading of later ones (a bridge
+    entity in a two-hop question), and they run once instead of once per chunk. Needs
+    P + sum(L_i) + Q positions in the aux model. Returns {layer: one fp32 tensor [L_i] per chunk}.
+    """
+    wanted = scoring_layers(aux, layers)
+    stop = wanted[-1]
+    fam, dev = aux.family, aux.device
+    p, q_len = prefix_kv.num_tokens, int(query_ids.numel())
+    lens = [kv.num_tokens for kv in chunk_kvs]
+    starts = [p + sum(lens[:i]) for i in range(len(lens))]
+    n_ctx = p + sum(lens)
+    positions = torch.arange(n_ctx, n_ctx + q_len)[None]  # [1, Q]
+    masks: dict[int | None, torch.Tensor] = {}
+    collected: dict[int, list[torch.Tensor]] = {}
+    h = fam.embed(query_ids.to(dev))[None]
+    rope = fam.rope(h, positions.to(dev))
+    for layer in range(stop + 1):
+        q, k, v = fam.qkv(layer, h, rope)
+        inv_freq = fam.inv_freq(layer)
+        keys = torch.cat([prefix_kv.keys[layer].to(dev, q.dtype)]
+                         + [rerotate(kv.keys[layer].to(dev, q.dtype), s - p, inv_freq) for kv, s in zip(chunk_kvs, starts)]
+                         + [k[0]], dim=1)[None]  # [1, H_kv, N, D]
+        window = fam.window(layer)
+        if window not in masks:
+            masks[window] = causal_position_mask(positions, n_ctx + q_len, window).to(dev)
+        seen, scale = masks[window], fam.scaling(layer)
+        if layer in wanted:
+            probs = _query_attention(q, keys, seen, scale, head_agg, row_agg)[0]  # [N]
+            collected[layer] = [probs[s : s + n].cpu() for s, n in zip(starts, lens)]
+        if layer == stop:
+            return collected
+        values = torch.cat([prefix_kv.values[layer].to(dev, q.dtype)]
+                           + [kv.values[layer].to(dev, q.dtype) for kv in chunk_kvs] + [v[0]], dim=1)[None]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=seen, scale=scale, enable_gqa=q.shape[1] != keys.shape[1])
+        h = fam.finish(layer, h, out)
+    raise AssertionError("scoring layer not reached")
+
+
 def mean_over_layers(per_layer: dict[int, list[torch.Tensor]]) -> list[torch.Tensor]:
     """{layer: [L_i] per chunk} -> [L_i] per chunk, averaged over the layers."""
     return [torch.stack(chunk).mean(dim=0) for chunk in zip(*per_layer.values())]
@@ -122,16 +174,23 @@ def _query_to_chunk(
     q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float, p: int, lens: torch.Tensor,
     head_agg: str = "mean", row_agg: str = "mean",
 ) -> list[torch.Tensor]:
-    """Softmax attention of query rows over all visible keys, aggregated over heads then rows;
-    the chunk columns of each batch row."""
+    """The chunk columns of each batch row of `_query_attention`."""
+    probs = _query_attention(q, keys, mask, scale, head_agg, row_agg)
+    return [probs[i, p : p + int(n)].cpu() for i, n in enumerate(lens)]
+
+
+def _query_attention(
+    q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float, head_agg: str = "mean", row_agg: str = "mean",
+) -> torch.Tensor:
+    """Softmax attention of query rows q [B, H, Q, D] over all visible keys [B, H_kv, N, D]
+    (mask [B, 1, Q, N]), aggregated over heads then rows: [B, N] fp32."""
     group = q.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(group, dim=1)
     logits = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale  # [B, H, Q, n_keys]
     logits = logits.masked_fill(~mask, float("-inf"))
     probs = logits.softmax(dim=-1)
     probs = probs.mean(dim=1) if head_agg == "mean" else probs.amax(dim=1)  # [B, Q, n_keys]
-    probs = probs.mean(dim=1) if row_agg == "mean" else probs.amax(dim=1)  # [B, n_keys]
-    return [probs[i, p : p + int(n)].cpu() for i, n in enumerate(lens)]
+    return probs.mean(dim=1) if row_agg == "mean" else probs.amax(dim=1)  # [B, n_keys]
 
 
 def top_k_candidates(scores: list[torch.Tensor], ratio: float) -> list[torch.Tensor]:
@@ -232,7 +291,8 @@ def select(
 ) -> list[ChunkSelection]:
     """Score, pick candidates and group, per chunk, in aux token space. cfg: resolved
     (SelectConfig.resolve), so its scoring layers and aggregations are all set."""
-    per_layer = score_chunks_by_layer(aux, aux_prefix, aux_chunks, query_ids, cfg.score_layers, cfg.head_agg, cfg.row_agg)
+    score = score_joint_by_layer if cfg.context == "joint" else score_chunks_by_layer
+    per_layer = score(aux, aux_prefix, aux_chunks, query_ids, cfg.score_layers, cfg.head_agg, cfg.row_agg)
     scores = mean_over_layers(per_layer)
     return pick(normalized(scores, cfg.normalize), ratio, cfg, budget)
 

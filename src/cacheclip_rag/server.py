@@ -10,7 +10,7 @@
 
 Both completion routes take the OpenAI fields (model, max_tokens, temperature, stop, stream,
 seed) and CacheClip's per-request options as extra body fields (mode, recompute_ratio,
-chunk_ids, k, retrieve, budget, score_layers); every response carries a `cacheclip` object with
+chunk_ids, k, retrieve, budget, score_layers, aux_context); every response carries a `cacheclip` object with
 the reuse metadata (chunks reused, tokens cached and computed, effective fraction, timings) and,
 for the page, the recomputed character spans of each chunk. Streaming is server-sent events in
 OpenAI's chunk format, ending with `data: [DONE]`.
@@ -81,6 +81,7 @@ class Options(BaseModel):
     retrieve: bool = True
     budget: str | None = None
     score_layers: list[int] | None = None
+    aux_context: str | None = None
 
     def new_tokens(self, default_max: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default_max
@@ -88,7 +89,7 @@ class Options(BaseModel):
     def request_options(self, default_max: int) -> dict[str, Any]:
         """The engine's per-request options (unset ones left to its defaults)."""
         out: dict[str, Any] = {"max_new_tokens": self.new_tokens(default_max), "temperature": self.temperature}
-        for name in ("mode", "recompute_ratio", "budget", "score_layers", "seed"):
+        for name in ("mode", "recompute_ratio", "budget", "score_layers", "aux_context", "seed"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         if self.stop is not None:

@@ -26,12 +26,12 @@ import torch
 from ..engine import CacheClipEngine
 from .. import plan
 from ..fidelity import Reference, kl_positions, packet_reference, reference, top1_agreement
-from .needle import PAPER_MODE, by_variants, label, request_for, suite
+from .needle import BENCH_MODES, JOINT_MODE, PAPER_MODE, by_variants, label, request_for, suite
 from .stats import bootstrap_interval, mean_of_means
 
 log = logging.getLogger(__name__)
 
-ROW_MODES = ("reuse", "random", "epic", "cacheclip", PAPER_MODE, "oracle", "packet", "packet+cacheclip")
+ROW_MODES = ("reuse", "random", "epic", "cacheclip", PAPER_MODE, JOINT_MODE, "oracle", "packet", "packet+cacheclip")
 
 
 @dataclass
@@ -76,7 +76,7 @@ def run(
         packet_ref = None
         for mode, ratio in modes:
             on = ref
-            if mode != PAPER_MODE and plan.get(mode).packets:
+            if mode not in BENCH_MODES and plan.get(mode).packets:
                 packet_ref = packet_ref or packet_reference(engine, ref, sample.question, ids)
                 on = packet_ref
             rows = mode_rows(engine, sample.question, ids, on, mode, ratio, sample_seed, budget)

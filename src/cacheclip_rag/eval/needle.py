@@ -28,12 +28,18 @@ PAPER_MODE = "cacheclip-paper"
 """Bench-only mode name: CacheClip as the paper configures it (aux last layer, top-k candidates
 then grouping, whatever fraction remains), beside `cacheclip` with the engine's scoring layers
 (calibrated profile) and the bench's budget rule."""
+JOINT_MODE = "cacheclip-joint"
+"""Bench-only mode name: `cacheclip` with the aux query reading every chunk at once
+(`aux_context="joint"`), beside `cacheclip` as the engine config has it."""
+BENCH_MODES = (PAPER_MODE, JOINT_MODE)
 
 
 def request_for(mode: str, budget: str) -> dict:
-    """The engine options of a bench mode name."""
+    """The engine options of a mode name (a registered mode or one of `BENCH_MODES`)."""
     if mode == PAPER_MODE:
         return dict(mode="cacheclip", budget="paper", score_layers=(-1,))
+    if mode == JOINT_MODE:
+        return dict(mode="cacheclip", budget=budget, aux_context="joint")
     return dict(mode=mode, budget=budget)
 
 
@@ -108,7 +114,7 @@ def run(
 
 
 def _on_packets(mode: str) -> bool:
-    return mode != PAPER_MODE and plan.get(mode).packets
+    return mode not in BENCH_MODES and plan.get(mode).packets
 
 
 def uses_packets(modes: list[tuple[str, float]]) -> bool:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..engine import CacheClipEngine
 from ..haystack import needle_context
-from .needle import uses_packets
+from .needle import request_for, uses_packets
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,10 @@ def run(
     seed: int = 1234,
     max_new_tokens: int = 32,
     cold: bool = True,
+    budget: str = "keep",
 ) -> list[TTFTRow]:
-    """modes: (mode, ratio) pairs; `full` is always measured as the reference.
+    """modes: (mode, ratio) pairs (registered modes or `needle.BENCH_MODES`); `full` is always
+    measured as the reference. budget: the selection budget rule of the ratio modes.
 
     cold: empty the store's memory tier before each request, so cache loading from disk (the
     OS page cache, in practice) is part of every reuse-mode TTFT.
@@ -111,7 +113,8 @@ def run(
                     engine.store.clear_memory()
                 with peak_rss(peaks[(mode, ratio)]):
                     samples[(mode, ratio)].append(
-                        engine.answer(question, chunk_ids=ids, mode=mode, recompute_ratio=ratio, max_new_tokens=max_new_tokens)
+                        engine.answer(question, chunk_ids=ids, recompute_ratio=ratio, max_new_tokens=max_new_tokens,
+                                      **request_for(mode, budget))
                     )
         full_ttft = _median([a.timings["ttft"] for a in samples[("full", 1.0)]])
         for (mode, ratio), answers in samples.items():
@@ -143,13 +146,13 @@ def run(
 
 def table(rows: list[TTFTRow]) -> str:
     head = (
-        f"{'len':>5} {'mode':<10} {'ratio':>5} {'tokens':>6} {'TTFT s':>7} {'[min-max]':>13} {'/full':>6} "
+        f"{'len':>5} {'mode':<15} {'ratio':>5} {'tokens':>6} {'TTFT s':>7} {'[min-max]':>13} {'/full':>6} "
         f"{'select':>6} {'hidden':>6} {'load':>6} {'asm':>6} {'wait':>6} {'recomp':>6} {'peakMB':>7} {'eff%':>5} {'ok':>4}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.length:>5} {r.mode:<10} {r.ratio:>5.2f} {r.prompt_tokens:>6} {r.ttft_median:>7.3f} "
+            f"{r.length:>5} {r.mode:<15} {r.ratio:>5.2f} {r.prompt_tokens:>6} {r.ttft_median:>7.3f} "
             f"{f'[{r.ttft_min:.2f}-{r.ttft_max:.2f}]':>13} {r.vs_full:>6.3f} {r.selection:>6.3f} {r.selection_hidden:>6.3f} "
             f"{r.load:>6.3f} {r.assemble:>6.3f} {r.load_wait:>6.3f} {r.recompute:>6.3f} {r.peak_mb:>7.1f} "
             f"{100 * r.effective_fraction:>5.1f} {r.correct:>4.2f}"

@@ -7,12 +7,17 @@ the primary caches."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 
 import torch
 
+from ..config import SelectConfig
 from ..plan import Plan, Selector, register
 from ..select import map_tokens, scoring_layers, select
+
+log = logging.getLogger(__name__)
 
 
 class CacheClip(Selector):
@@ -26,9 +31,8 @@ class CacheClip(Selector):
         deepest = max(scoring_layers(aux.lm, request.select.score_layers)) + 1
         aux_kvs = prepared.aux_kvs(layers=deepest)  # scoring stops there; so does reading
         query_ids = prepared.aux_query_ids()
-        _check_aux_length(prepared, aux_kvs, query_ids)
-        picks = select(aux.lm, request.select, request.ratio, prepared.aux_prefix_kv(), aux_kvs, query_ids,
-                       budget=request.budget)
+        cfg = _fitting(request.select, prepared, aux_kvs, query_ids)
+        picks = select(aux.lm, cfg, request.ratio, prepared.aux_prefix_kv(), aux_kvs, query_ids, budget=request.budget)
         rows, trace = [], []
         for seg, aux_kv, pick in zip(segments, aux_kvs, picks):
             text_rows = seg.ids >= 0  # a packet's soft rows (negative ids) hold no text: never picked
@@ -43,12 +47,21 @@ class CacheClip(Selector):
                     seconds=time.perf_counter() - start)
 
 
-def _check_aux_length(prepared, aux_kvs, query_ids: torch.Tensor) -> None:
+def _fitting(cfg: SelectConfig, prepared, aux_kvs, query_ids: torch.Tensor) -> SelectConfig:
+    """cfg, scored per chunk where the joint sequence would not fit the aux model's positions;
+    a ValueError when not even one chunk plus the query fits."""
     aux = prepared.aux
-    needed = int(aux.prefix_ids.numel()) + max(kv.num_tokens for kv in aux_kvs) + int(query_ids.numel())
+    fixed = int(aux.prefix_ids.numel()) + int(query_ids.numel())
+    needed = fixed + max(kv.num_tokens for kv in aux_kvs)
     if needed > aux.lm.max_positions:
         raise ValueError(f"a chunk plus the query needs {needed} positions in the aux model {aux.lm.name!r}, "
                          f"which has {aux.lm.max_positions}; use a smaller chunk size")
+    joint = fixed + sum(kv.num_tokens for kv in aux_kvs)
+    if cfg.context == "joint" and joint > aux.lm.max_positions:
+        log.info("joint aux scoring needs %d positions, the aux model has %d: scoring per chunk", joint,
+                 aux.lm.max_positions)
+        return dataclasses.replace(cfg, context="chunk")
+    return cfg
 
 
 register(CacheClip())
