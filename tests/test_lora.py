@@ -25,7 +25,7 @@ def trained(tiny_tokenizer, tmp_path_factory):
     student = tiny_model("qwen2", tiny_tokenizer, seed=1, layers=3)  # trained in place: keep `base` pristine
     peft_model, curve = train_lora(student, LoraTrainConfig(**SMALL))
     folder = tmp_path_factory.mktemp("lora") / "tiny-lora"
-    sha = lora.save(peft_model, folder, student, {"curve": curve})
+    sha = lora.save(peft_model, folder, student, {"curve": curve}, dtype=torch.float32)
     assert len(sha) == 64
     return base, peft_model, folder, student
 
@@ -61,7 +61,7 @@ def test_merged_adapter_serves_with_its_own_fingerprint_and_namespaces(trained, 
     tuned = lora.apply(base, folder)
     ids = torch.arange(5, 40)
     torch.testing.assert_close(_logits(tuned.model, ids), _logits(peft_model, ids), atol=1e-4, rtol=1e-4)
-    assert tuned.fingerprint != base.fingerprint and tuned.name.endswith("+lora")
+    assert tuned.fingerprint != base.fingerprint and "+lora-" in tuned.name
     _, aux = tiny_pair
     cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4), packets=None)
     with CacheClipEngine(base, aux, tmp_path / "a", cfg) as plain, CacheClipEngine(tuned, aux, tmp_path / "b", cfg) as tuned_engine:
@@ -111,3 +111,28 @@ def test_train_lora_from_the_command_line(tiny_pair, tmp_path, capsys):
     assert main(args) == 0
     assert "held-out KL" in capsys.readouterr().out
     assert (out / lora.META).is_file() and (out / "adapter_model.safetensors").is_file()
+
+
+def test_bf16_storage_and_the_shipped_adapter(trained, tmp_path, monkeypatch):
+    """Saved in bf16 (the default) the merged model stays close to the float32 adapter's; a
+    "shipped" adapter is found in the package by the base model's name and refused when it does
+    not match its pin or none ships."""
+    import shutil
+
+    base, peft_model, _, _ = trained
+    folder = tmp_path / "pkg" / "tiny-lora"
+    sha = lora.save(peft_model, folder, base, {})
+    ids = torch.arange(5, 40)
+    tuned = lora.apply(base, folder)
+    torch.testing.assert_close(_logits(tuned.model, ids), _logits(peft_model, ids), atol=5e-2, rtol=5e-2)
+    with pytest.raises(ValueError, match="no LoRA adapter ships for"):
+        lora.apply(base, "shipped")
+    monkeypatch.setattr(lora, "SHIPPED_DIR", tmp_path / "pkg")
+    monkeypatch.setattr(lora, "SHIPPED", {base.name: ("tiny-lora", sha)})
+    assert lora.apply(base, "shipped").fingerprint == tuned.fingerprint
+    monkeypatch.setattr(lora, "SHIPPED", {base.name: ("tiny-lora", "0" * 64)})
+    with pytest.raises(ValueError, match="pinned"):
+        lora.apply(base, "shipped")
+    shutil.rmtree(folder)
+    with pytest.raises(ValueError, match="missing from the installed package"):
+        lora.apply(base, "shipped")

@@ -69,10 +69,13 @@ SHIPPED_PROFILES = Path(__file__).parent / "data" / "profiles"
 
 def shipped_profile(primary_name: str, aux_name: str) -> dict | None:
     """The package's calibrated profile for a pair of embedded models (their names pin their
-    weights, so it holds in any dtype), marked {"source": "shipped"}; None for any other pair."""
+    weights, so it holds in any dtype; a primary tuned by its shipped LoRA is named by the
+    adapter's hash, `lora.tuned_name`), marked {"source": "shipped"}; None for any other pair."""
+    from .lora import SHIPPED as SHIPPED_LORA, tuned_name
     from .models import EMBEDDED
 
-    if primary_name not in EMBEDDED or aux_name not in EMBEDDED:
+    tuned = {tuned_name(base, sha) for base, (_, sha) in SHIPPED_LORA.items()}
+    if (primary_name not in EMBEDDED and primary_name not in tuned) or aux_name not in EMBEDDED:
         return None
     profile = _read_shipped(f"{primary_name}+{aux_name}.json")
     return {**profile, "source": "shipped"} if profile is not None else None

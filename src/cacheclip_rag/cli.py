@@ -465,7 +465,8 @@ def _common(p: argparse.ArgumentParser, store_default: str | None = "cacheclip-s
                    help="storage dtype of the chunk caches (auto: bf16 for float32 models, else the compute dtype); "
                    "each has its own namespace")
     p.add_argument("--primary-adapter", default=None, metavar="DIR",
-                   help="a LoRA folder from `cacheclip train lora`, merged into the primary (the tuned primary)")
+                   help="a LoRA folder from `cacheclip train lora`, or 'shipped' (the package's), merged into the "
+                   "primary (the tuned primary)")
     p.add_argument("--adapters", default="auto", metavar="FILE",
                    help="KV Packet adapters for the packet modes: auto (shipped for the primary), a .safetensors "
                    "file from `cacheclip train packet`, or none")

@@ -208,12 +208,13 @@ class ModelConfig:
     primary_device: str = "auto"
     aux_device: str = "cpu"
     primary_adapter: str | None = None
-    """A LoRA folder from `cacheclip train lora`, merged into the primary at load (the tuned
-    primary: its fingerprint, and so its store namespaces, include the adapter's hash)."""
+    """A LoRA folder from `cacheclip train lora`, or "shipped" (the package's LoRA for an embedded
+    primary), merged into the primary at load (the tuned primary: its fingerprint, and so its
+    store namespaces, include the adapter's hash)."""
 
     def __post_init__(self) -> None:
         if self.primary_adapter is not None and (not isinstance(self.primary_adapter, str) or not self.primary_adapter):
-            raise ValueError(f"primary_adapter must be a path to a LoRA folder or None, got {self.primary_adapter!r}")
+            raise ValueError(f"primary_adapter must be a path to a LoRA folder, 'shipped' or None, got {self.primary_adapter!r}")
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.threads is not None:

@@ -30,6 +30,10 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 META = "cacheclip.json"
 KIND = "cacheclip-concat-lora"
+SHIPPED_DIR = Path(__file__).parent / "adapters"
+SHIPPED: dict[str, tuple[str, str]] = {}
+"""Embedded model name -> (adapter folder in the package, the peft files' pinned sha256);
+`primary_adapter="shipped"` selects it. Reproduce with the command in `docs/training.md`."""
 
 
 def attach(lm: LoadedModel, rank: int, alpha: int, seed: int = 0):
@@ -51,10 +55,17 @@ def files_digest(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def save(peft_model, folder: str | Path, lm: LoadedModel, extra: dict) -> str:
-    """Write the adapter folder (peft files + cacheclip.json); returns the files' sha256 (the pin)."""
+def save(peft_model, folder: str | Path, lm: LoadedModel, extra: dict, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Write the adapter folder (peft files + cacheclip.json); returns the files' sha256 (the pin).
+    The LoRA matrices are stored in `dtype` (bf16 halves the file; they are upcast on merge)."""
+    from safetensors.torch import load_file, save_file
+
     folder = Path(folder)
     peft_model.save_pretrained(folder)
+    weights = folder / FILES[1]
+    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(weights).items()}
+    save_file(tensors, weights.with_suffix(".tmp"), metadata={"format": "pt"})
+    weights.with_suffix(".tmp").replace(weights)
     sha = files_digest(folder)
     meta = {"kind": KIND, "model": lm.name, "fingerprint": lm.fingerprint, "sha256": sha, **extra}
     tmp = folder / f".{META}.tmp"
@@ -105,15 +116,41 @@ def tuned_fingerprint(base: str, sha: str) -> str:
     return hashlib.sha256(f"{base}+lora:{sha}".encode()).hexdigest()[:32]
 
 
+def resolve(spec: str | Path, lm: LoadedModel) -> Path:
+    """The adapter folder a config names: "shipped" the package's LoRA for `lm` (an embedded
+    model; its files must match their pin), else a folder path (checked by `check`)."""
+    if str(spec) != "shipped":
+        return Path(spec)
+    if lm.name not in SHIPPED:
+        raise ValueError(f"no LoRA adapter ships for {lm.name!r} (shipped: {sorted(SHIPPED)}); train one with "
+                         "`cacheclip train lora --out DIR` and give its folder")
+    folder_name, pinned = SHIPPED[lm.name]
+    folder = SHIPPED_DIR / folder_name
+    if not all((folder / n).is_file() for n in (*FILES, META)):
+        raise ValueError(f"{folder}: the shipped LoRA adapter is missing from the installed package (expected "
+                         f"sha256 {pinned}); reinstall it")
+    actual = files_digest(folder)
+    if actual != pinned:
+        raise ValueError(f"{folder}: the shipped LoRA adapter hashes to {actual}, pinned {pinned}; reinstall the package")
+    return folder
+
+
+def tuned_name(base: str, sha: str) -> str:
+    """A tuned model's name: the base name and the first 12 hex digits of its adapter's hash
+    (for an embedded base and a pinned adapter, the name pins the weights)."""
+    return f"{base}+lora-{sha[:12]}"
+
+
 def apply(lm: LoadedModel, folder: str | Path, copy: bool = True) -> LoadedModel:
-    """`lm` tuned by the adapter in `folder` (checked, then merged): a new LoadedModel named
-    "<name>+lora" whose fingerprint includes the adapter's hash. copy=False merges into lm's own
-    weights (a freshly loaded model nobody else holds)."""
+    """`lm` tuned by the adapter in `folder` ("shipped": the package's, see `resolve`; checked,
+    then merged): a new LoadedModel named by `tuned_name` whose fingerprint includes the adapter's
+    hash. copy=False merges into lm's own weights (a freshly loaded model nobody else holds)."""
     import copy as copy_lib
 
+    folder = resolve(folder, lm)
     meta = check(folder, lm.name, lm.fingerprint)
     model = merged(copy_lib.deepcopy(lm.model) if copy else lm.model, folder).eval()
-    tuned = LoadedModel(name=f"{lm.name}+lora", model=model, tokenizer=lm.tokenizer,
+    tuned = LoadedModel(name=tuned_name(lm.name, meta["sha256"]), model=model, tokenizer=lm.tokenizer,
                         fingerprint=tuned_fingerprint(lm.fingerprint, meta["sha256"]))
     log.info("tuned %s with LoRA %s (sha256 %s)", lm.name, folder, meta["sha256"][:12])
     return tuned
