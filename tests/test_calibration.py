@@ -85,12 +85,13 @@ def test_calibration_is_deterministic_and_never_reads_evaluation_seeds(eng, monk
     chunks_before = len(eng.store.chunks())
     a, scores_a = eng.calibrate(lengths=(120,), samples=2, answer_tokens=4)
     b, scores_b = eng.calibrate(lengths=(120,), samples=2, answer_tokens=4)
-    assert (a["aux_layers"], a["head_agg"], a["row_agg"], a["normalize"], a["kl"]) == \
-        (b["aux_layers"], b["head_agg"], b["row_agg"], b["normalize"], b["kl"])
+    assert (a["aux_layers"], a["head_agg"], a["row_agg"], a["normalize"], a["context"], a["kl"]) == \
+        (b["aux_layers"], b["head_agg"], b["row_agg"], b["normalize"], b["context"], b["kl"])
     assert [s.kl for s in scores_a] == [s.kl for s in scores_b]
     assert seen and min(seen) >= calibrate_mod.CALIBRATION_SEED_BASE
     assert len(eng.store.chunks()) == chunks_before  # calibration inputs went to a scratch store
-    assert len(scores_a) == 2 + 1 + 7  # two aux layers: (0), (1), (0, 1); 7 aggregation variants
+    # two aux layers: (0), (1), (0, 1); 15 variants: 4 aggregations x 2 normalizations x 2 contexts, less one
+    assert len(scores_a) == 2 + 1 + 15 and {s.context for s in scores_a} == {"chunk", "joint"}
     assert all(s.kl >= -1e-6 for s in scores_a)
     with pytest.raises(ValueError, match="calibration seeds"):
         eng.calibrate(seed=5)
@@ -112,8 +113,8 @@ def test_profile_round_trips_and_is_used_by_default(tiny_pair, tmp_path):
     ans = again.answer(Q, chunk_ids=eng.ids, recompute_ratio=0.3, budget="keep", max_new_tokens=1)
     assert abs(ans.effective_fraction - 0.3) <= 8 / ans.context_tokens + 1e-9
     resolved = again.select_config()
-    assert (list(resolved.score_layers), resolved.head_agg, resolved.row_agg, resolved.normalize) == \
-        (profile["aux_layers"], profile["head_agg"], profile["row_agg"], profile["normalize"])
+    assert (list(resolved.score_layers), resolved.head_agg, resolved.row_agg, resolved.normalize, resolved.context) == \
+        (profile["aux_layers"], profile["head_agg"], profile["row_agg"], profile["normalize"], profile["context"])
     assert ans.metadata()["score_layers"] == profile["aux_layers"] and ans.metadata()["budget"] == "keep"
     # A config value overrides the profile's; a request's layers override both.
     pinned = CacheClipEngine(eng.primary.lm, eng.aux.lm, eng.store.root,
@@ -173,7 +174,7 @@ def test_calibration_criterion_is_validated_and_recorded(eng):
         eng.calibrate(lengths=(120,), samples=1, criterion="loss")
     profile, scores = eng.calibrate(lengths=(120,), samples=1, answer_tokens=4, criterion="hard")
     assert profile["criterion"] == "hard"
-    layer_scores = [s for s in scores if (s.head_agg, s.row_agg, s.normalize) == ("mean", "mean", "none")]
+    layer_scores = [s for s in scores if s.variant == calibrate_mod.DEFAULT_VARIANT]
     assert [s.left_at_hard for s in layer_scores] == sorted(s.left_at_hard for s in layer_scores)
 
 

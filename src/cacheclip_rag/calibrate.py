@@ -2,8 +2,9 @@
 
 Calibration inputs are needle-style samples whose seeds are disjoint from every evaluation seed;
 their answers are never read. Each sample is ingested into a scratch store and asked the way the
-engine asks, so the aux signal calibrated is exactly the one served: per-chunk query-to-chunk
-attention (`select.score_chunks_by_layer`).
+engine asks, so the aux signal calibrated is exactly the one served: the query's attention over
+each chunk (`select.score_chunks_by_layer`), or over all of them at once where that fits the aux
+model (`select.score_joint_by_layer`, `SelectConfig.context`).
 
 Candidates are each aux layer, then each run of 2..max_run adjacent layers (their scores
 averaged) that holds one of the best single layers. Every candidate is measured two ways:
@@ -20,8 +21,8 @@ averaged) that holds one of the best single layers. Every candidate is measured 
   recomputation has something to fix, such as the digits of a retrieved value).
 
 The profile takes the candidate best by the chosen criterion (fewer layers on ties); the
-aggregation over heads and query rows and the per-chunk normalization are then chosen the same
-way for those layers. Measured on the default pair, alignment with the primary's last layer does not pick the
+aggregation over heads and query rows, the per-chunk normalization and the aux context (per
+chunk or joint) are then chosen the same way for those layers. Measured on the default pair, alignment with the primary's last layer does not pick the
 layers that find what the primary needs (docs/benchmarks.md); it is reported beside fidelity.
 """
 
@@ -42,7 +43,7 @@ from tqdm.auto import tqdm
 from .niah import generate
 from .fidelity import Reference, kl_positions, reference
 from .select import (attention_from_rows, keep_budget, map_tokens, mean_over_layers, normalized, score_chunks_by_layer,
-                     to_chars, top_jaccard, top_positions)
+                     score_joint_by_layer, to_chars, top_jaccard, top_positions)
 
 if TYPE_CHECKING:
     from .engine import CacheClipEngine
@@ -54,6 +55,7 @@ CALIBRATION_SEED_BASE = 1_000_000
 VARIANTS = ("multikey_1", "multivalue", "multiquery", "single_2")
 AGGREGATIONS = (("mean", "mean"), ("max", "mean"), ("mean", "max"), ("max", "max"))
 NORMALIZATIONS = ("none", "chunk")
+CONTEXTS = ("chunk", "joint")
 CRITERIA = ("kl", "hard")
 HARD_FRACTION = 0.25
 """The answer positions where direct reuse diverges most from full attention, as a share."""
@@ -94,6 +96,7 @@ class CandidateScore:
     head_agg: str = "mean"
     row_agg: str = "mean"
     normalize: str = "none"
+    context: str = "chunk"
     kl: float = float("nan")
     jaccard: float = float("nan")
     recall: float = float("nan")
@@ -103,10 +106,16 @@ class CandidateScore:
     per_position_kl: list[list[float]] = field(default_factory=list)
 
     @property
+    def variant(self) -> tuple[str, str, str, str]:
+        return self.head_agg, self.row_agg, self.normalize, self.context
+
+    @property
     def name(self) -> str:
-        agg = "" if (self.head_agg, self.row_agg, self.normalize) == ("mean", "mean", "none") else \
-            f" {self.head_agg}/{self.row_agg}/{self.normalize}"
+        agg = "" if self.variant == DEFAULT_VARIANT else f" {'/'.join(self.variant)}"
         return "-".join(map(str, self.layers)) + agg
+
+
+DEFAULT_VARIANT = ("mean", "mean", "none", "chunk")
 
 
 @dataclass
@@ -120,7 +129,8 @@ class _Sample:
     aux_offsets: list[torch.Tensor]
     pri_offsets: list[torch.Tensor]
     texts: list[str]
-    aux_scores: dict[tuple[str, str], dict[int, list[torch.Tensor]]]
+    aux_scores: dict[tuple[str, str, str], dict[int, list[torch.Tensor]]]
+    """(head_agg, row_agg, context) -> {layer: scores per chunk}; joint only where it fits the aux."""
     reference_chars: torch.Tensor
 
 
@@ -176,13 +186,15 @@ def calibrate(
     best_singles = {c.layers[0] for c in sorted(layer_scores, key=rank)[:TOP_SINGLES]}
     runs = sorted({tuple(range(i, i + r)) for r in range(2, max_run + 1) for i in range(n_aux - r + 1)
                    if best_singles & set(range(i, i + r))})
-    bar.total += len(runs) + len(AGGREGATIONS) * len(NORMALIZATIONS) - 1
+    contexts = [c for c in CONTEXTS if all((*AGGREGATIONS[0], c) in d.aux_scores for d in data)]
+    bar.total += len(runs) + len(AGGREGATIONS) * len(NORMALIZATIONS) * len(contexts) - 1
     bar.refresh()
     layer_scores += [measure(CandidateScore(run)) for run in runs]
     layer_scores.sort(key=lambda c: (rank(c), len(c.layers), -c.jaccard))
     best = layer_scores[0]
-    variants = [measure(CandidateScore(best.layers, h, r, nz))
-                for h, r in AGGREGATIONS for nz in NORMALIZATIONS if (h, r, nz) != ("mean", "mean", "none")]
+    variants = [measure(CandidateScore(best.layers, h, r, nz, ctx))
+                for h, r in AGGREGATIONS for nz in NORMALIZATIONS for ctx in contexts
+                if (h, r, nz, ctx) != DEFAULT_VARIANT]
     bar.close()
     chosen = min([best, *variants], key=rank)
     baselines = _baselines(engine, data, ratio, seed)
@@ -197,6 +209,7 @@ def calibrate(
         "head_agg": chosen.head_agg,
         "row_agg": chosen.row_agg,
         "normalize": chosen.normalize,
+        "context": chosen.context,
         "criterion": criterion,
         "kl": chosen.kl,
         "left_at_hard": chosen.left_at_hard,
@@ -233,8 +246,11 @@ def _prepare(engine: CacheClipEngine, variant: str, length: int, seed: int, answ
     aux_kvs = prepared.aux_kvs()
     query_ids = prepared.aux_query_ids()
     every = tuple(range(aux.lm.num_layers))
-    aux_scores = {agg: score_chunks_by_layer(aux.lm, prepared.aux_prefix_kv(), aux_kvs, query_ids, every, *agg)
-                  for agg in AGGREGATIONS}
+    args = (aux.lm, prepared.aux_prefix_kv(), aux_kvs, query_ids, every)
+    aux_scores = {(*agg, "chunk"): score_chunks_by_layer(*args, *agg) for agg in AGGREGATIONS}
+    joint_tokens = prepared.aux_prefix_kv().num_tokens + sum(kv.num_tokens for kv in aux_kvs) + query_ids.numel()
+    if joint_tokens <= aux.lm.max_positions:
+        aux_scores |= {(*agg, "joint"): score_joint_by_layer(*args, *agg) for agg in AGGREGATIONS}
 
     query_rows = torch.arange(segs[-1].end, layout.num_tokens)
     attention = attention_from_rows(primary.lm, layout.input_ids, query_rows, [-1])[-1]
@@ -273,7 +289,7 @@ def _baselines(engine: CacheClipEngine, data: list[_Sample], ratio: float, seed:
 def _measure(engine: CacheClipEngine, data: list[_Sample], cand: CandidateScore, ratio: float, window: int, tau: int) -> CandidateScore:
     kls, jacs, recs, hards, positions = [], [], [], [], []
     for d in data:
-        by_layer = d.aux_scores[(cand.head_agg, cand.row_agg)]
+        by_layer = d.aux_scores[(cand.head_agg, cand.row_agg, cand.context)]
         scores = normalized(mean_over_layers({layer: by_layer[layer] for layer in cand.layers}), cand.normalize)
         kept = keep_budget(scores, ratio, window, tau)
         rows = [seg.start + torch.nonzero(map_tokens(a_off, k, p_off, len(text))).flatten()
@@ -301,7 +317,7 @@ def table(scores: list[CandidateScore], n_aux: int, top: int = 12) -> str:
     head = f"{'aux layers':<24} {'KL(full||·)':>11} {'hard':>8} {'Jaccard':>8} {'recall@5%':>10}"
     lines = [head, "-" * len(head)]
     lines += [row(s.name, s) for s in scores[:top]]
-    variants = [s for s in scores if (s.head_agg, s.row_agg, s.normalize) != ("mean", "mean", "none")]
+    variants = [s for s in scores if s.variant != DEFAULT_VARIANT]
     if variants:
         lines += ["", "aggregation of the best layers:"] + [row(s.name, s) for s in variants]
     singles = sorted((x for x in scores if len(x.layers) == 1 and x not in variants), key=lambda x: x.layers)

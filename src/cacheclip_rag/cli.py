@@ -220,7 +220,8 @@ def cmd_calibrate(args) -> int:
 
 def _profile_line(profile: dict) -> str:
     return (f"aux layers {profile['aux_layers']}, heads {profile.get('head_agg', 'mean')}, rows "
-            f"{profile.get('row_agg', 'mean')}, normalize {profile.get('normalize', 'none')}")
+            f"{profile.get('row_agg', 'mean')}, normalize {profile.get('normalize', 'none')}, context "
+            f"{profile.get('context', 'chunk')}")
 
 
 def cmd_store(args) -> int:
