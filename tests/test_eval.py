@@ -144,6 +144,12 @@ def test_load_pools_runs_and_refuses_a_sample_counted_twice(tmp_path):
     needle.write_json(run_c, needle.summarize(run_c), tmp_path / "c.json")
     with pytest.raises(ValueError, match=r"c.json: sample .* is also in .*a.json with another answer"):
         needle.load([tmp_path / "a.json", tmp_path / "c.json"])
+    tagged = needle.load([tmp_path / "a.json", f"tuned={tmp_path / 'b.json'}"])
+    rows = {r["label"]: r for r in needle.summarize(tagged)}
+    assert set(rows) == {"full", "reuse", "tuned/full", "tuned/cacheclip@0.2"}
+    assert rows["tuned/cacheclip@0.2"]["pct_of_full"] == pytest.approx(100.0)  # against the untagged full
+    with pytest.raises(ValueError, match="a tag is a name without"):
+        needle.load([f"a/b={tmp_path / 'b.json'}"])
     (tmp_path / "d.json").write_text('{"summary": []}')
     with pytest.raises(ValueError, match="d.json: not a needle bench JSON"):
         needle.load([tmp_path / "d.json"])

@@ -588,7 +588,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--plot", default=None, help="write PNGs next to this path (niah: -quality, -ttft; ttft: -breakdown, -ratio)")
     p.add_argument("--from", dest="from_json", nargs="+", default=None, metavar="JSON",
-                   help="niah: pool these saved runs (disjoint seeds) instead of running")
+                   help="niah: pool these saved runs (disjoint seeds, or other modes on the same samples) instead of running; "
+                        "TAG=JSON puts a run under a tag (tuned=run.json: rows tuned/full, ...)")
     p.add_argument("--versus", nargs="+", default=None, metavar="LABEL",
                    help="niah, fidelity, deviation: compare these rows (e.g. cacheclip@0.2) with every other, sample "
                         "by sample (default: the cacheclip rows; deviation: the oracle rows)")

@@ -14,7 +14,7 @@ import json
 import logging
 import statistics
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .. import plan
@@ -175,7 +175,11 @@ def _jaccard(a: set, b: set) -> float:
 
 
 def label(mode: str, ratio: float) -> str:
-    """A bench row's name: the mode, with its ratio where it has one; the oracle starred."""
+    """A bench row's name: the mode, with its ratio where it has one; the oracle starred; a run
+    pooled under a tag (`load`, "TAG=PATH") keeps its tag in front ("tuned/cacheclip@0.2")."""
+    if "/" in mode:
+        tag, inner = mode.split("/", 1)
+        return f"{tag}/{label(inner, ratio)}"
     selector = plan.get(mode) if mode in plan.modes() else None
     if selector is not None and selector.analysis_only:
         return f"{mode}@{ratio:g}*"  # analysis only: costs more than full attention
@@ -282,12 +286,12 @@ def versus_table(pairs: list[dict], scale: float = 100, digits: int = 1) -> str:
     """Differences (and intervals) times `scale`, with `digits` decimals."""
     fmt = lambda x: f"{scale * x:+.{digits}f}"  # noqa: E731
     width = 2 * (digits + 4) + 4
-    head = f"{'len':>5} {'mode':<20} {'minus':<20} {'n':>4} {'diff':>{digits + 5}} {'95% CI':>{width}} {'W/L':>7}"
+    head = f"{'len':>5} {'mode':<24} {'minus':<24} {'n':>4} {'diff':>{digits + 5}} {'95% CI':>{width}} {'W/L':>7}"
     lines = [head, "-" * len(head)]
     for p in pairs:
         lo, hi = p["diff_ci95"]
         w, lo_count = p["wins_losses"]
-        lines.append(f"{p['length']:>5} {p['label']:<20} {p['other']:<20} {p['samples']:>4} {fmt(p['diff']):>{digits + 5}} "
+        lines.append(f"{p['length']:>5} {p['label']:<24} {p['other']:<24} {p['samples']:>4} {fmt(p['diff']):>{digits + 5}} "
                      f"{f'[{fmt(lo)}, {fmt(hi)}]':>{width}} {f'{w}/{lo_count}':>7}")
     return "\n".join(lines)
 
@@ -295,14 +299,14 @@ def versus_table(pairs: list[dict], scale: float = 100, digits: int = 1) -> str:
 def table(rows: list[dict]) -> str:
     variants = [v for v in VARIANTS if any(v in r["variants"] for r in rows)]
     short = {v: v.replace("multikey", "mk").replace("single", "s").replace("multivalue", "mv").replace("multiquery", "mq") for v in variants}
-    head = f"{'len':>5} {'mode':<20} " + " ".join(f"{short[v]:>5}" for v in variants) + \
+    head = f"{'len':>5} {'mode':<24} " + " ".join(f"{short[v]:>5}" for v in variants) + \
         f" {'avg':>6} {'95% CI':>11} {'%full':>6} {'eff%':>5} {'needle%':>7} {'∩oracle':>7} {'TTFT/full':>9} {'W/L vs reuse':>12}"
     lines = [head, "-" * len(head)]
     for r in rows:
         cells = " ".join(f"{100 * r['variants'].get(v, float('nan')):>5.0f}" for v in variants)
         w, lo = r["wins_losses_vs_reuse"]
         ci = "[{:.0f}, {:.0f}]".format(*(100 * x for x in r["avg_ci95"]))
-        lines.append(f"{r['length']:>5} {r['label']:<20} {cells} {100 * r['avg']:>6.1f} {ci:>11} {r['pct_of_full']:>6.1f} "
+        lines.append(f"{r['length']:>5} {r['label']:<24} {cells} {100 * r['avg']:>6.1f} {ci:>11} {r['pct_of_full']:>6.1f} "
                      f"{100 * r['effective_fraction']:>5.1f} {100 * r['needle_coverage']:>7.1f} {r['oracle_overlap']:>7.2f} "
                      f"{r['ttft_vs_full']:>9.3f} {f'{w}/{lo}':>12}")
     return "\n".join(lines)
@@ -317,13 +321,21 @@ def load(paths: list[str | Path]) -> list[NeedleResult]:
     """Pool the per-sample rows of saved runs (`write_json` files), e.g. runs on disjoint seeds, or
     runs of other modes on the same samples. A (length, variant, seed, mode, ratio) seen twice is
     kept once when both gave the same answer (full attention, run by every bench) and is an error
-    when they differ, as pooling would then count one sample twice with two results."""
+    when they differ, as pooling would then count one sample twice with two results.
+
+    "TAG=PATH" puts a run's modes under a tag ("tuned/full"), so runs of another model on the same
+    samples sit beside the untagged run, whose `full` stays the reference of every row."""
     results: list[NeedleResult] = []
     seen: dict[tuple, tuple[str, NeedleResult]] = {}
-    for path in paths:
+    for spec in paths:
+        tag, _, path = str(spec).rpartition("=")
+        if tag and ("/" in tag or not tag.strip()):
+            raise ValueError(f"{spec}: a tag is a name without '/', as in tuned=run.json")
         try:
             samples = json.loads(Path(path).read_text())["samples"]
             loaded = [NeedleResult(**d) for d in samples]
+            if tag:
+                loaded = [replace(r, mode=f"{tag}/{r.mode}") for r in loaded]
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{path}: not a needle bench JSON (expected 'samples' of needle results): {err}") from err
         for r in loaded:
