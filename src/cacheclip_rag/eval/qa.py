@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..engine import CacheClipEngine
-from .needle import label, uses_packets
+from .needle import label, request_for, uses_packets
 from .metrics import best_of, exact_match, normalize, rouge_l, token_f1
 
 
@@ -89,7 +89,8 @@ def run(engine: CacheClipEngine, examples: list[QAExample], modes: list[tuple[st
     for i, ex in enumerate(examples):
         ids = engine.ingest([dict(c) for c in ex.contexts], progress=False, split=False, packets=packets)
         for mode, ratio in modes:
-            ans = engine.answer(ex.question, chunk_ids=ids, mode=mode, recompute_ratio=ratio, max_new_tokens=max_new_tokens)
+            ans = engine.answer(ex.question, chunk_ids=ids, recompute_ratio=ratio, max_new_tokens=max_new_tokens,
+                                **request_for(mode, "keep"))
             pred = ans.text
             results.append(QAResult(
                 index=i, mode=mode, ratio=ratio, prediction=pred,
