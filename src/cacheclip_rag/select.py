@@ -4,9 +4,10 @@ For each retrieved chunk i the aux model reuses its own cache of [prefix + chunk
 only the query rows of [prefix + chunk_i + query]; all chunks run as one padded batch. At the
 scoring layer the attention of the query rows over the chunk's tokens (prefix and query columns
 excluded, softmax over the whole row) is averaged over rows and heads: one score per aux token.
-The top k = round(ratio x all chunk tokens) become candidates, sliding-window grouping keeps dense
-runs whole and drops isolated candidates, and the kept aux tokens are mapped to primary tokens
-through character offsets.
+With context "joint" the query rows run once over every chunk at its assembled position instead
+(`score_joint_by_layer`). The top k = round(ratio x all chunk tokens) become candidates,
+sliding-window grouping keeps dense runs whole and drops isolated candidates, and the kept aux
+tokens are mapped to primary tokens through character offsets.
 """
 
 from __future__ import annotations
