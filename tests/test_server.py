@@ -126,6 +126,7 @@ def test_eight_concurrent_streams_get_the_one_by_one_answers(served):
     ({"messages": [{"role": "user", "content": "   "}]}, 400, "user message"),
     ({"messages": [{"role": "user", "content": QUESTION}], "chunk_ids": ["nope"]}, 400, "unknown chunk ids"),
     ({"messages": [{"role": "user", "content": QUESTION}], "bogus": 1}, 400, "bogus"),
+    ({"messages": [{"role": "user", "content": QUESTION}], "aux_context": "all"}, 400, "aux_context"),
     ({"messages": [{"role": "user", "content": "x" * 1_000_000}]}, 413, "characters"),
 ])
 def test_bad_bodies_get_4xx_naming_the_field_and_the_server_keeps_serving(served, body, status, names):
