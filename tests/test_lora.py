@@ -136,3 +136,19 @@ def test_bf16_storage_and_the_shipped_adapter(trained, tmp_path, monkeypatch):
     shutil.rmtree(folder)
     with pytest.raises(ValueError, match="missing from the installed package"):
         lora.apply(base, "shipped")
+
+
+def test_the_shipped_lora_matches_its_pin_and_takes_its_base_pairs_profile():
+    """The package's LoRA for the default primary is present and matches its pinned sha256 (no
+    model is loaded); the tuned pair uses the base pair's shipped profile until it has its own."""
+    from types import SimpleNamespace
+
+    from cacheclip_rag.calibrate import shipped_profile
+
+    (base, (folder, sha)), = lora.SHIPPED.items()
+    path = lora.resolve("shipped", SimpleNamespace(name=base))
+    assert path.name == folder and lora.files_digest(path) == sha
+    profile = shipped_profile(lora.tuned_name(base, sha), "smollm2-135m-instruct")
+    assert profile["source"] == "shipped for the base primary"
+    assert profile["aux_layers"] == shipped_profile(base, "smollm2-135m-instruct")["aux_layers"]
+    assert shipped_profile(lora.tuned_name(base, "0" * 64), "smollm2-135m-instruct") is None

@@ -72,15 +72,20 @@ SHIPPED_PROFILES = Path(__file__).parent / "data" / "profiles"
 def shipped_profile(primary_name: str, aux_name: str) -> dict | None:
     """The package's calibrated profile for a pair of embedded models (their names pin their
     weights, so it holds in any dtype; a primary tuned by its shipped LoRA is named by the
-    adapter's hash, `lora.tuned_name`), marked {"source": "shipped"}; None for any other pair."""
+    adapter's hash, `lora.tuned_name`), marked {"source": "shipped"}; None for any other pair.
+    A shipped tuned pair with no profile of its own takes its base pair's, marked
+    {"source": "shipped for the base primary"} (not re-calibrated for the tuned one)."""
     from .lora import SHIPPED as SHIPPED_LORA, tuned_name
     from .models import EMBEDDED
 
-    tuned = {tuned_name(base, sha) for base, (_, sha) in SHIPPED_LORA.items()}
+    tuned = {tuned_name(base, sha): base for base, (_, sha) in SHIPPED_LORA.items()}
     if (primary_name not in EMBEDDED and primary_name not in tuned) or aux_name not in EMBEDDED:
         return None
     profile = _read_shipped(f"{primary_name}+{aux_name}.json")
-    return {**profile, "source": "shipped"} if profile is not None else None
+    if profile is not None:
+        return {**profile, "source": "shipped"}
+    base = _read_shipped(f"{tuned[primary_name]}+{aux_name}.json") if primary_name in tuned else None
+    return {**base, "source": "shipped for the base primary"} if base is not None else None
 
 
 @functools.lru_cache(maxsize=8)
