@@ -40,10 +40,11 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
+from .config import AUX_CONTEXTS
 from .niah import generate
 from .fidelity import Reference, kl_positions, reference
 from .select import (attention_from_rows, keep_budget, map_tokens, mean_over_layers, normalized, score_chunks_by_layer,
-                     score_joint_by_layer, to_chars, top_jaccard, top_positions)
+                     joint_positions, score_joint_by_layer, to_chars, top_jaccard, top_positions)
 
 if TYPE_CHECKING:
     from .engine import CacheClipEngine
@@ -55,7 +56,6 @@ CALIBRATION_SEED_BASE = 1_000_000
 VARIANTS = ("multikey_1", "multivalue", "multiquery", "single_2")
 AGGREGATIONS = (("mean", "mean"), ("max", "mean"), ("mean", "max"), ("max", "max"))
 NORMALIZATIONS = ("none", "chunk")
-CONTEXTS = ("chunk", "joint")
 CRITERIA = ("kl", "hard")
 HARD_FRACTION = 0.25
 """The answer positions where direct reuse diverges most from full attention, as a share."""
@@ -191,7 +191,7 @@ def calibrate(
     best_singles = {c.layers[0] for c in sorted(layer_scores, key=rank)[:TOP_SINGLES]}
     runs = sorted({tuple(range(i, i + r)) for r in range(2, max_run + 1) for i in range(n_aux - r + 1)
                    if best_singles & set(range(i, i + r))})
-    contexts = [c for c in CONTEXTS if all((*AGGREGATIONS[0], c) in d.aux_scores for d in data)]
+    contexts = [c for c in AUX_CONTEXTS if all((*AGGREGATIONS[0], c) in d.aux_scores for d in data)]
     bar.total += len(runs) + len(AGGREGATIONS) * len(NORMALIZATIONS) * len(contexts) - 1
     bar.refresh()
     layer_scores += [measure(CandidateScore(run)) for run in runs]
@@ -253,8 +253,7 @@ def _prepare(engine: CacheClipEngine, variant: str, length: int, seed: int, answ
     every = tuple(range(aux.lm.num_layers))
     args = (aux.lm, prepared.aux_prefix_kv(), aux_kvs, query_ids, every)
     aux_scores = {(*agg, "chunk"): score_chunks_by_layer(*args, *agg) for agg in AGGREGATIONS}
-    joint_tokens = prepared.aux_prefix_kv().num_tokens + sum(kv.num_tokens for kv in aux_kvs) + query_ids.numel()
-    if joint_tokens <= aux.lm.max_positions:
+    if joint_positions(prepared.aux_prefix_kv(), aux_kvs, query_ids) <= aux.lm.max_positions:
         aux_scores |= {(*agg, "joint"): score_joint_by_layer(*args, *agg) for agg in AGGREGATIONS}
 
     query_rows = torch.arange(segs[-1].end, layout.num_tokens)

@@ -154,6 +154,11 @@ def score_joint_by_layer(
     raise AssertionError("scoring layer not reached")
 
 
+def joint_positions(prefix_kv: ChunkKV, chunk_kvs: list[ChunkKV], query_ids: torch.Tensor) -> int:
+    """Positions the aux model needs for joint scoring: prefix + every chunk + the query."""
+    return prefix_kv.num_tokens + sum(kv.num_tokens for kv in chunk_kvs) + int(query_ids.numel())
+
+
 def mean_over_layers(per_layer: dict[int, list[torch.Tensor]]) -> list[torch.Tensor]:
     """{layer: [L_i] per chunk} -> [L_i] per chunk, averaged over the layers."""
     return [torch.stack(chunk).mean(dim=0) for chunk in zip(*per_layer.values())]

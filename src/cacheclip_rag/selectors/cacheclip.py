@@ -15,7 +15,7 @@ import torch
 
 from ..config import SelectConfig
 from ..plan import Plan, Selector, register
-from ..select import map_tokens, scoring_layers, select
+from ..select import joint_positions, map_tokens, scoring_layers, select
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def _fitting(cfg: SelectConfig, prepared, aux_kvs, query_ids: torch.Tensor) -> S
     if needed > aux.lm.max_positions:
         raise ValueError(f"a chunk plus the query needs {needed} positions in the aux model {aux.lm.name!r}, "
                          f"which has {aux.lm.max_positions}; use a smaller chunk size")
-    joint = fixed + sum(kv.num_tokens for kv in aux_kvs)
+    joint = joint_positions(prepared.aux_prefix_kv(), aux_kvs, query_ids)
     if cfg.context == "joint" and joint > aux.lm.max_positions:
         log.info("joint aux scoring needs %d positions, the aux model has %d: scoring per chunk", joint,
                  aux.lm.max_positions)
