@@ -15,7 +15,7 @@ from cacheclip_rag.train import LoraTrainConfig, examples, kl, train_lora
 from conftest import CORPUS, tiny_model
 
 SMALL = dict(samples=3, held_out=2, epochs=2, length=96, chunk_tokens=32, answer_tokens=3, batch=1, rank=4, alpha=8,
-             lr=5e-3)
+             lr=5e-3, full_weight=0.3)
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,18 @@ def test_a_few_steps_lower_the_block_attention_kl(trained):
         with peft_model.disable_adapter():
             untuned = sum(kl(student, plain, prefix, ex).item() for ex in train_set)
     assert tuned < untuned
+
+
+def test_curve_records_how_far_full_attention_moved(trained):
+    """Held out per epoch: block KL, full-attention KL (0 before training: B = 0) and the weighted
+    sum that picks the epoch."""
+    _, _, folder, _ = trained
+    curve = json.loads((folder / "cacheclip.json").read_text())["curve"]
+    weight = LoraTrainConfig(**SMALL).full_weight
+    assert [row["epoch"] for row in curve] == [0, 1, 2]
+    assert curve[0]["held_out_full_kl"] == pytest.approx(0, abs=1e-5)
+    for row in curve:
+        assert row["held_out_loss"] == pytest.approx(row["held_out_kl"] + weight * row["held_out_full_kl"])
 
 
 def test_disabled_lora_is_the_base_model_exactly(trained):

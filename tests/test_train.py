@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from cacheclip_rag.cli import main
+from cacheclip_rag.config import ModelConfig
 from cacheclip_rag.models import load
 from cacheclip_rag.packets import load_adapters
 from cacheclip_rag.train import TrainConfig
@@ -26,7 +27,7 @@ def test_train_packet_writes_adapters_that_load_and_serve(folder, tiny_pair, tmp
     assert rc == 0
     text = capsys.readouterr().out
     assert "held-out KL" in text and "sha256" in text
-    lm = load(str(folder))
+    lm = load(str(folder), ModelConfig(dtype="float32"))  # as trained: a bf16 load is another fingerprint
     adapters = load_adapters(out, lm)
     assert adapters.header.shape == (2, lm.config.hidden_size) and adapters.header.dtype == torch.float32
 
@@ -36,12 +37,12 @@ def test_train_packet_writes_adapters_that_load_and_serve(folder, tiny_pair, tmp
     aux.model.save_pretrained(aux_folder)
     aux.tokenizer.save_pretrained(aux_folder)
     store = str(tmp_path / "store")
-    rc = main(["bench", "niah", "--store", store, "--primary", str(folder), "--aux", str(aux_folder), "--adapters",
+    rc = main(["bench", "niah", "--store", store, "--dtype", "float32", "--primary", str(folder), "--aux", str(aux_folder), "--adapters",
                str(out), "--lengths", "150", "--samples", "1", "--variants", "single_2", "--modes", "reuse", "packet",
                "packet+cacheclip", "--ratios", "0.5", "--chunk-tokens", "48", "--max-new-tokens", "2"])
     printed = capsys.readouterr().out
     assert rc == 0 and "packet+cacheclip@0.5" in printed and "packet " in printed
-    assert main(["store", "stats", "--store", store, "--adapters", str(out)]) == 0
+    assert main(["store", "stats", "--store", store, "--dtype", "float32", "--adapters", str(out)]) == 0
     assert "KV Packet adapters" in capsys.readouterr().out
 
 
@@ -66,7 +67,30 @@ def test_damaged_or_foreign_adapters_are_refused(folder, tmp_path, tiny_pair):
         load_adapters(tmp_path / "junk.safetensors", lm)
 
 
-@pytest.mark.parametrize("field, value", [("samples", 0), ("epochs", -1), ("lr", 2.0), ("length", 1.5)])
+@pytest.mark.parametrize("field, value", [("samples", 0), ("epochs", -1), ("lr", 2.0), ("length", 1.5),
+                                          ("kinds", ("needle", "recipes")), ("kinds", ()), ("kinds", ("prose", "prose"))])
 def test_bad_training_config_is_refused(field, value):
     with pytest.raises(ValueError, match=field):
         TrainConfig(**{field: value})
+
+
+def test_notes_requests_give_short_titled_documents_holding_both_hops(tiny_tokenizer):
+    """`notes`: each note its own document, the two-hop question's facts among them; same seed, same request."""
+    from cacheclip_rag.traindata import make_request
+
+    a, b = make_request("notes", 200, 7, tiny_tokenizer), make_request("notes", 200, 7, tiny_tokenizer)
+    assert a == b and len(a.documents) >= 5
+    assert [d.split("\n")[0] for d in a.documents] == [f"Note {i}" for i in range(1, len(a.documents) + 1)]
+    subject = a.question.removeprefix("In which region did ").removeprefix("What is the profession of the sibling of ")
+    subject = subject.removesuffix(" grow up?").removesuffix("?")
+    assert sum(subject in d for d in a.documents) >= 1
+    assert all(len(d) < 250 for d in a.documents)  # one to three short sentences
+
+
+def test_packet_training_keeps_its_mix_and_lora_adds_notes():
+    """The shipped packet adapters were trained on needle/twohop/prose; the LoRA also reads notes."""
+    from cacheclip_rag.train import LoraTrainConfig
+
+    assert TrainConfig().kinds == ("needle", "twohop", "prose")
+    assert LoraTrainConfig().kinds[-1] == "notes"
+    assert TrainConfig(kinds=["prose"]).kinds == ("prose",)

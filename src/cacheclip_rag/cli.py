@@ -178,8 +178,8 @@ def cmd_train(args) -> int:
     from .train import LoraTrainConfig, TrainConfig
 
     kind = LoraTrainConfig if args.what == "lora" else TrainConfig
-    given = {f.name: getattr(args, f.name) for f in dc_fields(kind) if f.name != "lr"}
-    cfg = kind(**given, **({"lr": args.lr} if args.lr is not None else {}))
+    given = {f.name: getattr(args, f.name) for f in dc_fields(kind) if getattr(args, f.name, None) is not None}
+    cfg = kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
     lm = load(args.primary, ModelConfig(dtype=args.dtype))
     print(describe_cpu() + f"; training in {str(lm.dtype).removeprefix('torch.')}")
     start = time.perf_counter()
@@ -198,9 +198,10 @@ def cmd_train(args) -> int:
 
         adapters, curve = train(lm, cfg, progress=bar, teacher_progress=teacher)
         sha = save_adapters(args.out, adapters, lm, cfg, curve)
-    print(f"{'epoch':>5} {'train loss':>10} {'held-out KL':>12}")
+    measures = [k for k in curve[0] if k.startswith("held_out")]
+    print(f"{'epoch':>5} {'train loss':>10} " + " ".join(f"{m.replace('_', '-').replace('-kl', ' KL'):>17}" for m in measures))
     for row in curve:
-        print(f"{row['epoch']:>5} {row['train_loss']:>10.4f} {row['held_out_kl']:>12.4f}")
+        print(f"{row['epoch']:>5} {row['train_loss']:>10.4f} " + " ".join(f"{row[m]:>17.4f}" for m in measures))
     print(f"{args.what} adapters for {lm.name} -> {args.out} (sha256 {sha}); {time.perf_counter() - start:.0f} s")
     return 0
 
@@ -553,13 +554,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="packet: .safetensors file to write; lora: folder to write")
     from dataclasses import fields as dc_fields
 
-    from .train import LoraTrainConfig
+    from .train import LoraTrainConfig, TrainConfig
 
-    defaults = LoraTrainConfig()
-    for f in dc_fields(LoraTrainConfig):
-        if f.name != "lr":
-            p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(defaults, f.name)), default=getattr(defaults, f.name))
-    p.add_argument("--lr", type=float, default=None, help="default: 1e-3 (packet), 3e-4 (lora)")
+    packet, lora_defaults = TrainConfig(), LoraTrainConfig()
+    for f in dc_fields(LoraTrainConfig):  # unset: the config's own default (packet and lora differ)
+        value = getattr(lora_defaults, f.name)
+        shown = (f"default: {getattr(packet, f.name)} (packet), {value} (lora)" if hasattr(packet, f.name)
+                 else f"lora only; default {value}")
+        if isinstance(value, tuple):
+            p.add_argument("--" + f.name.replace("_", "-"), nargs="+", default=None, help=shown)
+        else:
+            p.add_argument("--" + f.name.replace("_", "-"), type=type(value), default=None, help=shown)
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_train)
 

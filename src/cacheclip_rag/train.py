@@ -33,7 +33,7 @@ from .encode import chat_template, tokenize
 from .generate import hf_step
 from .models import LoadedModel
 from .packets import ADAPTER_KIND, Adapters, student_logits
-from .traindata import KINDS, make_request
+from .traindata import ALL_KINDS, KINDS, make_request
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,9 @@ TRAIN_SEED_BASE = 5_000_000
 @dataclass(frozen=True)
 class TrainConfig:
     """samples: generated training requests (held_out more for the held-out KL); length: context
-    tokens per request; chunk_tokens: tokens per document (packet); answer_tokens: |G|; batch:
-    requests averaged per update; lr: the initial learning rate, decayed linearly to zero."""
+    tokens per request; chunk_tokens: tokens per document (packet) where a kind does not give its
+    documents; answer_tokens: |G|; batch: requests averaged per update; lr: the initial learning
+    rate, decayed linearly to zero; kinds: the request kinds (`traindata`), taken in turn."""
 
     samples: int = 144
     held_out: int = 12
@@ -58,8 +59,13 @@ class TrainConfig:
     batch: int = 4
     lr: float = 1e-3
     seed: int = 0
+    kinds: tuple[str, ...] = KINDS
 
     def __post_init__(self) -> None:
+        if (not isinstance(self.kinds, (tuple, list)) or not self.kinds
+                or any(k not in ALL_KINDS for k in self.kinds) or len(set(self.kinds)) != len(self.kinds)):
+            raise ValueError(f"kinds must be distinct names among {ALL_KINDS}, got {self.kinds!r}")
+        object.__setattr__(self, "kinds", tuple(self.kinds))
         for name in ("samples", "held_out", "epochs", "length", "chunk_tokens", "answer_tokens", "batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "held_out" else 1):
@@ -71,12 +77,14 @@ class TrainConfig:
 @dataclass(frozen=True)
 class LoraTrainConfig(TrainConfig):
     """`TrainConfig` for the concatenation-aware LoRA: rank and alpha of the LoRA layers;
-    full_weight: the weight of the full-attention KL term (keeps ordinary answers unchanged)."""
+    full_weight: the weight of the full-attention KL term (keeps ordinary answers unchanged).
+    Trains on every request kind, short notes included."""
 
     rank: int = 8
     alpha: int = 16
-    full_weight: float = 1.0
+    full_weight: float = 3.0
     lr: float = 3e-4
+    kinds: tuple[str, ...] = ALL_KINDS
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -101,8 +109,11 @@ class Example:
 def make_example(lm: LoadedModel, prefix_ids: torch.Tensor, suffix: str, prompt: PromptConfig, kind: str,
                  seed: int, cfg: TrainConfig) -> Example:
     sample = make_request(kind, cfg.length, seed, lm.tokenizer)
-    ids, _ = encode_text(lm.tokenizer, sample.context)
-    docs = [torch.tensor(ids[i : i + cfg.chunk_tokens]) for i in range(0, len(ids), cfg.chunk_tokens)]
+    if sample.documents:
+        docs = [torch.tensor(encode_text(lm.tokenizer, d)[0]) for d in sample.documents]
+    else:
+        ids, _ = encode_text(lm.tokenizer, sample.context)
+        docs = [torch.tensor(ids[i : i + cfg.chunk_tokens]) for i in range(0, len(ids), cfg.chunk_tokens)]
     question = prompt.question_template.format(question=sample.question)
     q = torch.cat([tokenize(lm, question)[0], tokenize(lm, suffix, special=True)[0]])
     seq = torch.cat([prefix_ids, *docs, q])
@@ -134,9 +145,10 @@ def examples(lm: LoadedModel, cfg: TrainConfig, prompt: PromptConfig | None = No
     first = TRAIN_SEED_BASE + cfg.seed * 100_000
     made = []
     for i, s in enumerate(range(first, first + cfg.samples + cfg.held_out)):
-        made.append(make_example(lm, prefix_ids, template.suffix, prompt, KINDS[i % len(KINDS)], s, cfg))
+        kind = cfg.kinds[i % len(cfg.kinds)]
+        made.append(make_example(lm, prefix_ids, template.suffix, prompt, kind, s, cfg))
         if progress:
-            progress(f"{KINDS[i % len(KINDS)]} request {i + 1}")
+            progress(f"{kind} request {i + 1}")
     log.info("made %d training examples (teacher continuations of %d tokens)", len(made), cfg.answer_tokens)
     return prefix_ids, made[: cfg.samples], made[cfg.samples :]
 
@@ -144,13 +156,15 @@ def examples(lm: LoadedModel, cfg: TrainConfig, prompt: PromptConfig | None = No
 @dataclass
 class Objective:
     """What `fit` trains: params (the only tensors with gradients), loss(example) -> scalar
-    tensor, held(example) -> the held-out measure (a float), snapshot() -> a copy of the
-    current trained state (the best epoch's is returned)."""
+    tensor, held(example) -> the held-out measures ({name: float}, averaged over the held-out
+    set and logged per epoch), criterion: the measure whose lowest epoch is kept, snapshot() -> a
+    copy of the current trained state (the best epoch's is returned)."""
 
     params: list[torch.Tensor]
     loss: Callable[[Example], torch.Tensor]
-    held: Callable[[Example], float]
+    held: Callable[[Example], dict[str, float]]
     snapshot: Callable[[], object]
+    criterion: str = "held_out_kl"
 
 
 def fit(objective: Objective, train_set: list[Example], held: list[Example], cfg: TrainConfig,
@@ -163,12 +177,15 @@ def fit(objective: Objective, train_set: list[Example], held: list[Example], cfg
     updates = cfg.epochs * -(-len(train_set) // cfg.batch)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: max(0.0, 1 - u / updates))
 
-    def held_measure() -> float:
+    def held_measures() -> dict[str, float]:
         with torch.no_grad():
-            return sum(objective.held(ex) for ex in held) / len(held) if held else float("nan")
+            rows = [objective.held(ex) for ex in held]
+        if not rows:
+            return {objective.criterion: float("nan")}
+        return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
 
-    curve = [dict(epoch=0, train_loss=float("nan"), held_out_kl=held_measure())]
-    best, best_kl = objective.snapshot(), curve[0]["held_out_kl"]
+    curve = [dict(epoch=0, train_loss=float("nan"), **held_measures())]
+    best, best_kl = objective.snapshot(), curve[0][objective.criterion]
     for epoch in range(1, cfg.epochs + 1):
         order = list(range(len(train_set)))
         rng.shuffle(order)
@@ -184,10 +201,11 @@ def fit(objective: Objective, train_set: list[Example], held: list[Example], cfg
             total += loss.item()
             if progress:
                 progress(f"epoch {epoch}/{cfg.epochs} step {step}/{len(order)} loss {loss.item():.4f}")
-        curve.append(dict(epoch=epoch, train_loss=total / len(order), held_out_kl=held_measure()))
-        log.info("epoch %d: train loss %.4f, held-out KL %.4f", epoch, curve[-1]["train_loss"], curve[-1]["held_out_kl"])
-        if not held or curve[-1]["held_out_kl"] < best_kl:
-            best, best_kl = objective.snapshot(), curve[-1]["held_out_kl"]
+        curve.append(dict(epoch=epoch, train_loss=total / len(order), **held_measures()))
+        log.info("epoch %d: train loss %.4f, held-out %s", epoch, curve[-1]["train_loss"],
+                 ", ".join(f"{k} {v:.4f}" for k, v in curve[-1].items() if k.startswith("held_out")))
+        if not held or curve[-1][objective.criterion] < best_kl:
+            best, best_kl = objective.snapshot(), curve[-1][objective.criterion]
     return best, curve
 
 
@@ -205,7 +223,7 @@ def train(lm: LoadedModel, cfg: TrainConfig, prompt: PromptConfig | None = None,
     objective = Objective(
         params=[adapters.header, adapters.trailer],
         loss=lambda ex: kl(lm, adapters, prefix_ids, ex),
-        held=lambda ex: kl(lm, adapters, prefix_ids, ex).item(),
+        held=lambda ex: {"held_out_kl": kl(lm, adapters, prefix_ids, ex).item()},
         snapshot=lambda: Adapters(adapters.header.detach().clone(), adapters.trailer.detach().clone()),
     )
     return fit(objective, train_set, held, cfg, progress)
@@ -230,7 +248,8 @@ def train_lora(lm: LoadedModel, cfg: LoraTrainConfig, prompt: PromptConfig | Non
     """Train a concatenation-aware LoRA on `lm` (issue 16): the student reads the documents
     encoded apart (block-diagonal mask, no adapters) and, weighted by full_weight, the whole
     request under full attention; both match the frozen model's full-attention continuation.
-    Returns (the peft model with the best epoch's LoRA loaded, curve); `lora.save` writes it.
+    Held out: the block KL (`held_out_kl`), the full-attention KL (`held_out_full_kl`: how far
+    ordinary answers moved) and their weighted sum (`held_out_loss`, the epoch criterion). Returns (the peft model with the best epoch's LoRA loaded, curve); `lora.save` writes it.
     progress and teacher_progress as for `train`."""
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
@@ -251,8 +270,12 @@ def train_lora(lm: LoadedModel, cfg: LoraTrainConfig, prompt: PromptConfig | Non
         block = kl(lm, plain, prefix_ids, ex)
         return block + cfg.full_weight * full_kl(ex) if cfg.full_weight else block
 
+    def measures(ex: Example) -> dict[str, float]:
+        block, full = kl(lm, plain, prefix_ids, ex).item(), full_kl(ex).item()
+        return {"held_out_kl": block, "held_out_full_kl": full, "held_out_loss": block + cfg.full_weight * full}
+
     objective = Objective(
-        params=params, loss=loss, held=lambda ex: kl(lm, plain, prefix_ids, ex).item(),
+        params=params, loss=loss, held=measures, criterion="held_out_loss",
         snapshot=lambda: {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()},
     )
     best, curve = fit(objective, train_set, held, cfg, progress)
