@@ -135,7 +135,7 @@ def test_texts_documents_and_delete(store):
     with pytest.raises(ValueError, match="different primary model"):
         store.bind_models({"primary": "p2", "aux": "a1"})
     store.write_profile({"primary": "p1", "aux": "a1", "aux_layers": [3]})
-    assert store.read_profile("p1", "a1")["aux_layers"] == [3] and store.read_profile("p9", "a1") is None
+    assert store.read_profiles("p1", "a1")[0]["aux_layers"] == [3] and store.read_profiles("p9", "a1") == []
     store.put_kv(NS, "id-1", _kv())
     store.discard(NS, "id-1", "test")
     assert store.get_kv(NS, "id-1") is None

@@ -105,9 +105,9 @@ def test_profile_round_trips_and_is_used_by_default(tiny_pair, tmp_path):
     eng.ids = eng.ingest(CORPUS, progress=False)[:4]
     assert eng.score_layers == (-1,)
     profile, _ = eng.calibrate(lengths=(120,), samples=1, answer_tokens=4)
-    assert eng.store.read_profile(eng.primary.lm.fingerprint, eng.aux.lm.fingerprint) == profile
+    assert eng.store.read_profiles(eng.primary.lm.fingerprint, eng.aux.lm.fingerprint) == [profile]
     assert eng.score_layers == tuple(profile["aux_layers"])
-    assert eng.store.read_profile("other", "pair") is None
+    assert eng.store.read_profiles("other", "pair") == []
     again = CacheClipEngine(eng.primary.lm, eng.aux.lm, eng.store.root, eng.config)
     assert again.profile == profile
     ans = again.answer(Q, chunk_ids=eng.ids, recompute_ratio=0.3, budget="keep", max_new_tokens=1)
@@ -123,6 +123,30 @@ def test_profile_round_trips_and_is_used_by_default(tiny_pair, tmp_path):
     assert pinned.select_config().row_agg == profile["row_agg"]
     ans = pinned.answer(Q, chunk_ids=eng.ids, score_layers=[-1], max_new_tokens=1)
     assert ans.score_layers == (-1,)
+
+
+def test_a_request_takes_the_profile_calibrated_nearest_its_length(tiny_pair, tmp_path):
+    """Profiles calibrated at different lengths live side by side; each request scores with the
+    one nearest its own token count, and recalibrating a length replaces only that one."""
+    from cacheclip_rag.calibrate import profile_for
+
+    eng = CacheClipEngine(*tiny_pair, tmp_path, EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4)))
+    ids = eng.ingest(CORPUS, progress=False)
+    n_few, n_many = (eng.prepare(Q, chunk_ids=ids[:n]).layout.num_tokens for n in (1, len(ids)))
+    assert n_many > 2 * n_few
+    pair = dict(primary=eng.primary.lm.fingerprint, aux=eng.aux.lm.fingerprint)
+    eng.store.write_profile({**pair, "aux_layers": [1], "lengths": [n_many]})
+    eng.store.write_profile({**pair, "aux_layers": [0], "lengths": [n_few]})
+    eng.store.write_profile({"primary": "other", "aux": "pair", "aux_layers": [1], "lengths": [n_few]})
+    assert [p["aux_layers"] for p in eng.profiles] == [[0], [1]]  # shortest first, other pairs ignored
+    middle = (n_few * n_many) ** 0.5  # nearest by ratio of lengths
+    assert profile_for(eng.profiles, int(middle) - 1)["aux_layers"] == [0]
+    assert profile_for(eng.profiles, int(middle) + 1)["aux_layers"] == [1]
+    assert eng.profile["aux_layers"] == [0] and profile_for([], 100) is None
+    assert eng.answer(Q, chunk_ids=ids[:1], max_new_tokens=1).score_layers == (0,)
+    assert eng.answer(Q, chunk_ids=ids, max_new_tokens=1).score_layers == (1,)
+    eng.store.write_profile({**pair, "aux_layers": [2], "lengths": [n_many]})
+    assert [p["aux_layers"] for p in eng.profiles] == [[0], [2]]
 
 
 @pytest.mark.parametrize("bad", [[], [99], ["1"], True, "last"])

@@ -162,7 +162,10 @@ def test_a_new_store_uses_the_shipped_calibrated_profile(pair, tmp_path):
 
     primary, aux = pair
     engine = CacheClipEngine(primary, aux, tmp_path / "store", EngineConfig())
-    shipped = json.loads((SHIPPED_PROFILES / f"{primary.name}+{aux.name}.json").read_text())
-    assert engine.store.read_profile() is None and engine.profile["source"] == "shipped"
-    assert engine.score_layers == tuple(shipped["aux_layers"])
-    assert engine.select_config().head_agg == shipped["head_agg"]
+    shipped = json.loads((SHIPPED_PROFILES / f"{primary.name}+{aux.name}.json").read_text())["profiles"]
+    assert engine.store.read_profiles() == [] and all(p["source"] == "shipped" for p in engine.profiles)
+    assert [p["lengths"] for p in engine.profiles] == sorted(p["lengths"] for p in shipped)
+    for profile in shipped:  # each request length takes the profile calibrated nearest it
+        (length,) = profile["lengths"]
+        assert engine.select_config(n_tokens=length).score_layers == tuple(profile["aux_layers"])
+        assert engine.select_config(n_tokens=length).head_agg == profile["head_agg"]

@@ -32,6 +32,7 @@ import datetime as _dt
 import functools
 import json
 import logging
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,7 @@ from tqdm.auto import tqdm
 from .config import AUX_CONTEXTS
 from .niah import generate
 from .fidelity import Reference, kl_positions, reference
+from .store import profile_length
 from .select import (attention_from_rows, keep_budget, map_tokens, mean_over_layers, normalized, score_chunks_by_layer,
                      joint_positions, score_joint_by_layer, to_chars, top_jaccard, top_positions)
 
@@ -65,33 +67,50 @@ TOP_SINGLES = 5
 
 
 SHIPPED_PROFILES = Path(__file__).parent / "data" / "profiles"
-"""Calibrated profiles shipped with the package, one file per embedded pair: `<primary>+<aux>.json`
-(the output of `cacheclip calibrate --json`, its "profile" object)."""
+"""Calibrated profiles shipped with the package, one file per embedded pair: `<primary>+<aux>.json`,
+{"profiles": [...]} with one profile per calibration length (each the "profile" object of
+`cacheclip calibrate --json`)."""
 
 
-def shipped_profile(primary_name: str, aux_name: str) -> dict | None:
-    """The package's calibrated profile for a pair of embedded models (their names pin their
-    weights, so it holds in any dtype; a primary tuned by its shipped LoRA is named by the
-    adapter's hash, `lora.tuned_name`), marked {"source": "shipped"}; None for any other pair.
-    A shipped tuned pair with no profile of its own takes its base pair's, marked
-    {"source": "shipped for the base primary"} (not re-calibrated for the tuned one)."""
+def shipped_profiles(primary_name: str, aux_name: str) -> list[dict]:
+    """The package's calibrated profiles for a pair of embedded models, one per calibration
+    length, shortest first (their names pin their weights, so they hold in any dtype; a primary
+    tuned by its shipped LoRA is named by the adapter's hash, `lora.tuned_name`), each marked
+    {"source": "shipped"}; [] for any other pair. A shipped tuned pair with no profile of its own
+    takes its base pair's, marked {"source": "shipped for the base primary"}."""
     from .lora import SHIPPED as SHIPPED_LORA, tuned_name
     from .models import EMBEDDED
 
     tuned = {tuned_name(base, sha): base for base, (_, sha) in SHIPPED_LORA.items()}
     if (primary_name not in EMBEDDED and primary_name not in tuned) or aux_name not in EMBEDDED:
+        return []
+    own = _read_shipped(f"{primary_name}+{aux_name}.json")
+    if own:
+        return [{**p, "source": "shipped"} for p in own]
+    base = _read_shipped(f"{tuned[primary_name]}+{aux_name}.json") if primary_name in tuned else []
+    return [{**p, "source": "shipped for the base primary"} for p in base]
+
+
+def profile_for(profiles: list[dict], n_tokens: int | None = None) -> dict | None:
+    """The profile calibrated nearest a request of n_tokens (by ratio of lengths: 3K sits between
+    2K and 4K); with no length, the shortest one (the calibration default, 2K, for the default
+    pair); None for no profiles."""
+    if not profiles:
         return None
-    profile = _read_shipped(f"{primary_name}+{aux_name}.json")
-    if profile is not None:
-        return {**profile, "source": "shipped"}
-    base = _read_shipped(f"{tuned[primary_name]}+{aux_name}.json") if primary_name in tuned else None
-    return {**base, "source": "shipped for the base primary"} if base is not None else None
+    if n_tokens is None or n_tokens <= 0:
+        return min(profiles, key=profile_length)
+    return min(profiles, key=lambda p: (abs(math.log(n_tokens / profile_length(p))), profile_length(p)))
 
 
 @functools.lru_cache(maxsize=8)
-def _read_shipped(name: str) -> dict | None:
+def _read_shipped(name: str) -> tuple[dict, ...]:
+    """A shipped file: {"profiles": [...]} (one per calibration length), or one profile object."""
     path = SHIPPED_PROFILES / name
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return ()
+    doc = json.loads(path.read_text())
+    return tuple(sorted(doc.get("profiles", [doc]), key=profile_length))
+
 
 @dataclass
 class CandidateScore:

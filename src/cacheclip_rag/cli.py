@@ -265,12 +265,12 @@ def cmd_store(args) -> int:
                 print(f"           KV Packet adapters {pk['adapters']} ({pk['n_header']} header + {pk['n_trailer']} "
                       "trailer vectors); packet caches are built on first use or by `ingest --packets`")
         print("  memory tier: in-process, per engine (StoreConfig.memory_bytes); hit rates in `bench ttft` output")
-        profile = store.read_profile()
-        if profile:
+        profiles = store.read_profiles()
+        for profile in profiles:
             print(f"  selection profile: {_profile_line(profile)} for {profile['primary_name']} + "
-                  f"{profile['aux_name']} (calibrated {profile['created']})")
-        else:
-            print("  selection profile: none stored (the default pair uses the profile the package ships; other "
+                  f"{profile['aux_name']}, calibrated at {profile.get('lengths', '?')} tokens ({profile['created']})")
+        if not profiles:
+            print("  selection profile: none stored (the default pair uses the profiles the package ships; other "
                   "pairs score with the aux model's last layer until `cacheclip calibrate`)")
         return 0
     if args.action == "verify":

@@ -212,24 +212,38 @@ class CacheClipEngine:
 
     @property
     def score_layers(self) -> tuple[int, ...]:
-        """Aux scoring layers: the config's, else the calibrated profile of this pair, else the last."""
+        """Aux scoring layers at the shortest calibrated length: the config's, else the calibrated
+        profile of this pair, else the last."""
         return self.select_config().score_layers
 
-    def select_config(self, score_layers: tuple[int, ...] | None = None, context: str | None = None) -> SelectConfig:
-        """The selection config a request runs with, every scoring field set: `score_layers` and
-        `context` (a request's), else the engine config's fields, else the calibrated profile's
-        (read from the store now), else defaults."""
-        cfg = self.config.select.resolve(self.profile)
+    def select_config(self, score_layers: tuple[int, ...] | None = None, context: str | None = None,
+                      n_tokens: int | None = None) -> SelectConfig:
+        """The selection config a request of n_tokens runs with, every scoring field set:
+        `score_layers` and `context` (a request's), else the engine config's fields, else those
+        of the calibrated profile nearest n_tokens (read from the store now), else defaults."""
+        cfg = self.config.select.resolve(self.profile_for(n_tokens))
         cfg = dataclasses.replace(cfg, score_layers=score_layers) if score_layers else cfg
         return dataclasses.replace(cfg, context=context) if context else cfg
 
     @property
-    def profile(self) -> dict | None:
-        """The calibrated model-pair profile: the store's, if it is for these models, else the
-        one the package ships for the default pair (so a new store is calibrated out of the box)."""
-        stored = self.store.read_profile(self.primary.lm.fingerprint, self.aux.lm.fingerprint)
-        if stored is not None:
+    def profiles(self) -> list[dict]:
+        """The calibrated model-pair profiles, one per calibration length, shortest first: the
+        store's, if it holds any for these models, else those the package ships for the default
+        pair (so a new store is calibrated out of the box)."""
+        stored = self.store.read_profiles(self.primary.lm.fingerprint, self.aux.lm.fingerprint)
+        if stored:
             return stored
-        from .calibrate import shipped_profile
+        from .calibrate import shipped_profiles
 
-        return shipped_profile(self.primary.lm.name, self.aux.lm.name)
+        return shipped_profiles(self.primary.lm.name, self.aux.lm.name)
+
+    def profile_for(self, n_tokens: int | None = None) -> dict | None:
+        """The profile a request of n_tokens uses (calibrated nearest its length), or None."""
+        from .calibrate import profile_for
+
+        return profile_for(self.profiles, n_tokens)
+
+    @property
+    def profile(self) -> dict | None:
+        """The profile at the shortest calibrated length (`profile_for` picks by length)."""
+        return self.profile_for(None)

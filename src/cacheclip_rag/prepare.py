@@ -88,7 +88,8 @@ class Preparer:
     """Builds `Prepared` requests; holds only long-lived, read-only things (store, matcher, caches).
 
     retrieve: (question, k) -> [(chunk id, score)], the engine's retrieval. select_config:
-    (score layers or None) -> the resolved selection config a request runs with.
+    (score layers or None, aux context or None, request tokens) -> the resolved selection config
+    a request runs with (the profile calibrated nearest its length).
     """
 
     def __init__(self, store: KVStore, matcher: ChunkMatcher, primary: ChunkCaches, aux: ChunkCaches,
@@ -175,14 +176,17 @@ class Preparer:
     def _prepared(self, opts: RequestOptions, chunk_ids: list[str], pieces, aux_query: str) -> Prepared:
         if opts.score_layers is not None:
             scoring_layers(self.aux.lm, opts.score_layers)  # range check against the aux model
-        request = Request.of(opts, self._select_config(opts.score_layers, opts.aux_context), chunk_ids, pieces, aux_query)
+        request = Request.of(opts, None, chunk_ids, pieces, aux_query)
         primary = self.primary
         if plan.get(opts.mode).packets:
             if self.packets is None:
                 raise ValueError(f"mode {opts.mode!r} needs KV Packet adapters for {primary.lm.name!r}: none ship for "
                                  "it; train them with `cacheclip train packet --out FILE` and set EngineConfig.packets")
             primary = self.packets
-        return Prepared(request, self.layout(request, primary), primary, self.aux, self.config)
+        layout = self.layout(request, primary)
+        # The profile calibrated nearest this request's length sets how the aux model scores.
+        request.select = self._select_config(opts.score_layers, opts.aux_context, layout.num_tokens)
+        return Prepared(request, layout, primary, self.aux, self.config)
 
     def layout(self, request: Request, primary: ChunkCaches | None = None) -> Layout:
         """The primary token sequence (with packet caches: the chunks' soft rows around them); a

@@ -190,7 +190,7 @@ class Request:
     generated: int = 0
 
     @classmethod
-    def of(cls, opts: RequestOptions, select: SelectConfig, chunk_ids: list[str], pieces: list[Piece],
+    def of(cls, opts: RequestOptions, select: SelectConfig | None, chunk_ids: list[str], pieces: list[Piece],
            aux_query: str) -> Request:
         return cls(mode=opts.mode, ratio=opts.recompute_ratio, chunk_ids=chunk_ids, pieces=pieces,
                    aux_query=aux_query, options=opts.decode_options(), epic_tokens=opts.epic_tokens, seed=opts.seed,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -194,23 +195,31 @@ class KVStore:
         self.backend.put_doc("store", manifest)
 
     def write_profile(self, profile: dict) -> None:
-        """Save a calibrated model-pair profile (see calibrate.py) with the store."""
-        self.backend.put_doc("profile", profile)
+        """Save a calibrated model-pair profile (see calibrate.py) with the store. Profiles of the
+        same pair calibrated at other lengths are kept (one per length set: requests take the one
+        nearest their length); one for the same pair at the same lengths is replaced."""
+        def key(p: dict) -> tuple:
+            return p.get("primary"), p.get("aux"), tuple(sorted(p.get("lengths") or ()))
 
-    def read_profile(self, primary_fp: str | None = None, aux_fp: str | None = None) -> dict | None:
-        """The stored profile, or None; with fingerprints, only a profile made for that pair."""
+        profiles = sorted([*(p for p in self.read_profiles() if key(p) != key(profile)), profile], key=profile_length)
+        self.backend.put_doc("profile", {"profiles": profiles})
+
+    def read_profiles(self, primary_fp: str | None = None, aux_fp: str | None = None) -> list[dict]:
+        """The stored profiles, shortest calibration length first; with fingerprints, only those
+        made for that pair. A store written before profiles were kept per length holds one."""
         try:
-            profile = self.backend.get_doc("profile")
+            doc = self.backend.get_doc("profile")
         except StoreUnavailableError:
             raise
         except ValueError as err:
             log.warning("profile of store %s is unreadable (%s); ignoring it", self.location, err)
-            return None
-        if profile is None:
-            return None
-        if primary_fp is not None and (profile.get("primary") != primary_fp or profile.get("aux") != aux_fp):
-            return None
-        return profile
+            return []
+        if doc is None:
+            return []
+        profiles = doc.get("profiles", [doc]) if isinstance(doc, dict) else []
+        if primary_fp is not None:
+            profiles = [p for p in profiles if p.get("primary") == primary_fp and p.get("aux") == aux_fp]
+        return sorted(profiles, key=profile_length)
 
     # ----- inspection -----------------------------------------------------------------------
 
@@ -396,6 +405,13 @@ class KVStore:
     @property
     def memory_bytes(self) -> int:
         return self._memory_bytes
+
+
+def profile_length(profile: dict) -> float:
+    """The context length a profile was calibrated at (the geometric mean of its lengths; a
+    profile that names none counts as 2048, the calibration default)."""
+    lengths = [n for n in profile.get("lengths") or () if isinstance(n, (int, float)) and n > 0] or [2048]
+    return math.exp(sum(math.log(n) for n in lengths) / len(lengths))
 
 
 def _chunk(data: dict | None, chunk_id: str | None = None) -> Chunk | None:
