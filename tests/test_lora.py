@@ -58,6 +58,8 @@ def test_curve_records_how_far_full_attention_moved(trained):
     assert curve[0]["held_out_full_kl"] == pytest.approx(0, abs=1e-5)
     for row in curve:
         assert row["held_out_loss"] == pytest.approx(row["held_out_kl"] + weight * row["held_out_full_kl"])
+    (kept,) = [row for row in curve if row["kept"]]  # the epoch whose state the files hold: the lowest loss
+    assert kept["held_out_loss"] == min(row["held_out_loss"] for row in curve)
 
 
 def test_disabled_lora_is_the_base_model_exactly(trained):

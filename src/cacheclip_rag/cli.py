@@ -201,7 +201,12 @@ def cmd_train(args) -> int:
     measures = [k for k in curve[0] if k.startswith("held_out")]
     print(f"{'epoch':>5} {'train loss':>10} " + " ".join(f"{m.replace('_', '-').replace('-kl', ' KL'):>17}" for m in measures))
     for row in curve:
-        print(f"{row['epoch']:>5} {row['train_loss']:>10.4f} " + " ".join(f"{row[m]:>17.4f}" for m in measures))
+        print(f"{row['epoch']:>5} {row['train_loss']:>10.4f} " + " ".join(f"{row[m]:>17.4f}" for m in measures)
+              + ("   (kept)" if row.get("kept") else ""))
+    if curve[0].get("kept"):
+        print(f"WARNING: no epoch lowered the held-out {'loss' if args.what == 'lora' else 'KL'} below the untrained "
+              "state's, so the files hold the untrained state (a LoRA that changes nothing); train longer, with "
+              "more requests or another learning rate")
     print(f"{args.what} adapters for {lm.name} -> {args.out} (sha256 {sha}); {time.perf_counter() - start:.0f} s")
     return 0
 

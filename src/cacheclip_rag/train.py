@@ -170,7 +170,9 @@ class Objective:
 def fit(objective: Objective, train_set: list[Example], held: list[Example], cfg: TrainConfig,
         progress: Callable[[str], None] | None = None) -> tuple[object, list[dict]]:
     """Adam with a linear decay over `cfg.epochs`, `cfg.batch` examples per update; the held-out
-    measure after every epoch; returns the best epoch's snapshot and the curve."""
+    measure after every epoch; returns the best epoch's snapshot and the curve (one row per
+    epoch, 0 = untrained, the kept one marked "kept"; when no epoch beats the untrained state,
+    that state is returned, with a warning)."""
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
     opt = torch.optim.Adam(objective.params, lr=cfg.lr)
@@ -185,7 +187,7 @@ def fit(objective: Objective, train_set: list[Example], held: list[Example], cfg
         return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
 
     curve = [dict(epoch=0, train_loss=float("nan"), **held_measures())]
-    best, best_kl = objective.snapshot(), curve[0][objective.criterion]
+    best, best_kl, kept = objective.snapshot(), curve[0][objective.criterion], 0
     for epoch in range(1, cfg.epochs + 1):
         order = list(range(len(train_set)))
         rng.shuffle(order)
@@ -205,7 +207,12 @@ def fit(objective: Objective, train_set: list[Example], held: list[Example], cfg
         log.info("epoch %d: train loss %.4f, held-out %s", epoch, curve[-1]["train_loss"],
                  ", ".join(f"{k} {v:.4f}" for k, v in curve[-1].items() if k.startswith("held_out")))
         if not held or curve[-1][objective.criterion] < best_kl:
-            best, best_kl = objective.snapshot(), curve[-1][objective.criterion]
+            best, best_kl, kept = objective.snapshot(), curve[-1][objective.criterion], epoch
+    for row in curve:
+        row["kept"] = row["epoch"] == kept
+    if kept == 0:
+        log.warning("no epoch lowered the held-out %s below the untrained state's (%.4f): the result is the "
+                    "untrained state", objective.criterion, best_kl)
     return best, curve
 
 
