@@ -108,7 +108,8 @@ class CacheClipEngine:
 
     def calibrate(self, lengths: tuple[int, ...] = (2048,), samples: int = 6, **kwargs) -> tuple[dict, list]:
         """Calibrate how the aux model scores tokens for this model pair (cacheclip_rag.calibrate)
-        and store the profile, used by default from now on. The generated calibration chunks go
+        at `lengths` and add the profile to the store's (replacing one calibrated at the same
+        lengths); requests nearest those lengths use it from now on. The generated calibration chunks go
         to a scratch store, never into this one. kwargs: seed, max_run, ratio, answer_tokens, criterion,
         progress (progress bars, default on).
         Returns (profile, candidate scores)."""
