@@ -154,7 +154,7 @@ def test_bf16_storage_and_the_shipped_adapter(trained, tmp_path, monkeypatch):
 
 def test_the_shipped_lora_matches_its_pin_and_takes_its_base_pairs_profile():
     """The package's LoRA for the default primary is present and matches its pinned sha256 (no
-    model is loaded); the tuned pair uses the base pair's shipped profile until it has its own."""
+    model is loaded); the tuned pair ships a profile calibrated for it."""
     from types import SimpleNamespace
 
     from cacheclip_rag.calibrate import shipped_profiles
@@ -163,5 +163,6 @@ def test_the_shipped_lora_matches_its_pin_and_takes_its_base_pairs_profile():
     path = lora.resolve("shipped", SimpleNamespace(name=base))
     assert path.name == folder and lora.files_digest(path) == sha
     tuned = shipped_profiles(lora.tuned_name(base, sha), "smollm2-135m-instruct")
-    assert tuned and all(p["source"].startswith("shipped") for p in tuned)
+    assert [p["source"] for p in tuned] == ["shipped"]  # calibrated for the tuned pair itself
+    assert tuned[0]["primary_name"] == lora.tuned_name(base, sha)
     assert shipped_profiles(lora.tuned_name(base, "0" * 64), "smollm2-135m-instruct") == []
