@@ -152,7 +152,7 @@ def test_bf16_storage_and_the_shipped_adapter(trained, tmp_path, monkeypatch):
         lora.apply(base, "shipped")
 
 
-def test_the_shipped_lora_matches_its_pin_and_takes_its_base_pairs_profile():
+def test_the_shipped_lora_matches_its_pin_and_ships_its_own_profile():
     """The package's LoRA for the default primary is present and matches its pinned sha256 (no
     model is loaded); the tuned pair ships a profile calibrated for it."""
     from types import SimpleNamespace
@@ -166,3 +166,23 @@ def test_the_shipped_lora_matches_its_pin_and_takes_its_base_pairs_profile():
     assert [p["source"] for p in tuned] == ["shipped"]  # calibrated for the tuned pair itself
     assert tuned[0]["primary_name"] == lora.tuned_name(base, sha)
     assert shipped_profiles(lora.tuned_name(base, "0" * 64), "smollm2-135m-instruct") == []
+
+
+def test_a_shipped_tuned_pair_without_its_own_profile_takes_its_base_pairs(tmp_path, monkeypatch):
+    """The fallback for a shipped LoRA not yet calibrated: the base pair's profiles, marked so."""
+    import shutil
+
+    from cacheclip_rag import calibrate
+
+    (base, (_, sha)), = lora.SHIPPED.items()
+    name = f"{base}+smollm2-135m-instruct.json"
+    shutil.copy(calibrate.SHIPPED_PROFILES / name, tmp_path / name)  # the base pair's file only
+    monkeypatch.setattr(calibrate, "SHIPPED_PROFILES", tmp_path)
+    calibrate._read_shipped.cache_clear()
+    try:
+        tuned = calibrate.shipped_profiles(lora.tuned_name(base, sha), "smollm2-135m-instruct")
+        base_profiles = calibrate.shipped_profiles(base, "smollm2-135m-instruct")
+    finally:
+        calibrate._read_shipped.cache_clear()
+    assert [p["source"] for p in tuned] == ["shipped for the base primary"] * len(base_profiles)
+    assert [p["aux_layers"] for p in tuned] == [p["aux_layers"] for p in base_profiles]
