@@ -92,6 +92,38 @@ def test_damage_found_while_loading_layers(store):
         reader.layer(2)
 
 
+def _put_with_sums(store: KVStore, key: str, kv, algorithm: str | None) -> None:
+    """A record as `put_kv` writes it, but carrying `algorithm`'s checksums (None: none at all)."""
+    import json
+
+    from cacheclip_rag import store as store_mod
+
+    tensors = {name: t.contiguous() for name, t in kv.tensors().items()}
+    meta = {"format": "1", "key": key, "namespace": NS, "start_pos": str(kv.start_pos), "num_layers": str(len(kv.keys))}
+    if algorithm is not None:
+        meta[algorithm] = json.dumps({n: store_mod._tensor_sum(n, t, algorithm) for n, t in tensors.items()})
+    store.backend.put(NS, key, tensors, meta)
+
+
+def test_caches_written_with_sha256_sums_still_read_and_their_damage_is_still_found(store):
+    from cacheclip_rag.store import CHECKSUM
+
+    assert CHECKSUM == "xxh3_128"
+    _put_with_sums(store, "old", _kv(seed=4), "sha256")  # a store written before XXH3
+    _equal(store.get_kv(NS, "old"), _kv(seed=4))
+    store.clear_memory()
+    _corrupt(store, NS, "old")
+    assert [d[1] for d in store.verify()["damaged"]] == [store.backend.name_of("old")]
+    assert store.get_kv(NS, "old") is None and store.stats.damaged == 1
+
+
+def test_a_record_without_checksums_is_damaged_not_trusted(store):
+    _put_with_sums(store, "bare", _kv(), None)
+    damaged = store.verify()["damaged"]
+    assert len(damaged) == 1 and "no checksums" in damaged[0][2]
+    assert store.get_kv(NS, "bare") is None and store.backend.get(NS, "bare") is None
+
+
 def test_failed_put_leaves_the_old_record(store, monkeypatch):
     old = _kv(seed=1)
     store.put_kv(NS, "c1", old)
