@@ -2,7 +2,7 @@
 
 import torch
 
-from cacheclip_rag.select import group_window, map_tokens, mean_over_layers, score_chunks_by_layer, top_k_candidates
+from cacheclip_rag.select import group_window, group_windows, map_tokens, mean_over_layers, score_chunks_by_layer, top_k_candidates
 from cacheclip_rag.encode import encode_prefix, encode_segment, tokenize
 
 from conftest import CORPUS
@@ -68,6 +68,18 @@ def test_grouping_matches_the_papers_loop_on_random_sets():
             if cand[t] and int(cand[t : t + w].sum()) >= tau:
                 expected[t : t + w] = True
         assert torch.equal(group_window(cand, w, tau), expected)
+
+
+def test_grouping_all_chunks_at_once_equals_grouping_each_alone():
+    """No window reaches across a chunk boundary: one call over the chunks end to end keeps the
+    same tokens as one call per chunk (the budget search runs it a dozen times per request)."""
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        sizes = torch.randint(1, 30, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen).tolist()
+        cand = torch.rand(sum(sizes), generator=gen) < float(torch.rand(1, generator=gen))
+        w, tau = int(torch.randint(1, 10, (1,), generator=gen)), int(torch.randint(1, 6, (1,), generator=gen))
+        alone = torch.cat([group_window(c, w, tau) for c in cand.split(sizes)])
+        assert torch.equal(group_windows(cand, sizes, w, tau), alone)
 
 
 def test_top_k_is_global_over_chunks():

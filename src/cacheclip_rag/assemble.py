@@ -109,12 +109,15 @@ def rerotate(keys: torch.Tensor, delta: int | torch.Tensor, inv_freq: torch.Tens
     if isinstance(delta, int) and delta == 0:
         return keys
     angle = torch.as_tensor(delta, dtype=torch.float64)[..., None] * inv_freq.to(torch.float64).cpu()  # [(T,) D/2]
-    cos = torch.cat([angle.cos(), angle.cos()], dim=-1).to(torch.float32).to(keys.device)
-    sin = torch.cat([angle.sin(), angle.sin()], dim=-1).to(torch.float32).to(keys.device)
+    cos = angle.cos().to(torch.float32).to(keys.device)
+    sin = angle.sin().to(torch.float32).to(keys.device)
     k = keys.to(torch.float32)
     half = k.shape[-1] // 2
-    rotated = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
-    return (k * cos + rotated * sin).to(keys.dtype)
+    # rotate_half(k) is [-k2, k1]: two multiply-adds on the halves instead of building it.
+    out = k * torch.cat([cos, cos], dim=-1)
+    out[..., :half].addcmul_(k[..., half:], -sin)
+    out[..., half:].addcmul_(k[..., :half], sin)
+    return out.to(keys.dtype)
 
 
 def ape_positions(layout: Layout) -> torch.Tensor:

@@ -216,16 +216,26 @@ def group_window(candidates: torch.Tensor, window: int, tau: int) -> torch.Tenso
     at the sequence end. If it holds at least `tau` candidates, every token in it is kept, gaps
     included. Candidates covered by no passing window are dropped.
     """
+    return group_windows(candidates, [int(candidates.numel())], window, tau)
+
+
+def group_windows(candidates: torch.Tensor, sizes: list[int], window: int, tau: int) -> torch.Tensor:
+    """`group_window` of every chunk at once: candidates [sum(sizes)] holds the chunks' masks end
+    to end (chunk i has sizes[i] tokens); no window crosses from one chunk into the next.
+    Returns the kept mask [sum(sizes)]."""
     n = int(candidates.numel())
     if n == 0:
         return candidates.clone()
+    sizes_t = torch.tensor(sizes, dtype=torch.long)
+    chunk_start = torch.repeat_interleave(torch.cumsum(sizes_t, 0) - sizes_t, sizes_t)  # [n] first index of its chunk
+    chunk_end = chunk_start + torch.repeat_interleave(sizes_t, sizes_t)
     c = torch.cat([torch.zeros(1, dtype=torch.long), candidates.long().cumsum(0)])
     starts = torch.arange(n)
-    ends = (starts + window).clamp(max=n)
+    ends = torch.minimum(starts + window, chunk_end)
     passing = candidates & ((c[ends] - c[starts]) >= tau)
-    # Token j is kept if a passing window starts in (j - window, j].
+    # Token j is kept if a passing window starts in (j - window, j] within its own chunk.
     s = torch.cat([torch.zeros(1, dtype=torch.long), passing.long().cumsum(0)])
-    lo = (starts - window + 1).clamp(min=0)
+    lo = torch.maximum(starts - window + 1, chunk_start)
     return (s[starts + 1] - s[lo]) > 0
 
 
@@ -266,7 +276,7 @@ def keep_budget(scores: list[torch.Tensor], ratio: float, window: int, tau: int)
     def grouped(k: int) -> list[torch.Tensor]:
         flat = torch.zeros(total, dtype=torch.bool)
         flat[order[:k]] = True
-        return [group_window(c, window, tau) for c in flat.split(sizes)]
+        return list(group_windows(flat, sizes, window, tau).split(sizes))
 
     def size(kept: list[torch.Tensor]) -> int:
         return sum(int(m.sum()) for m in kept)
@@ -316,7 +326,9 @@ def pick(scores: list[torch.Tensor], ratio: float, cfg: SelectConfig, budget: st
         kept = keep_budget(scores, ratio, cfg.window, cfg.tau)
         return [ChunkSelection(s, k.clone(), k) for s, k in zip(scores, kept)]
     candidates = top_k_candidates(scores, ratio)
-    return [ChunkSelection(s, c, group_window(c, cfg.window, cfg.tau)) for s, c in zip(scores, candidates)]
+    sizes = [int(c.numel()) for c in candidates]
+    kept = group_windows(torch.cat(candidates), sizes, cfg.window, cfg.tau).split(sizes)
+    return [ChunkSelection(s, c, k) for s, c, k in zip(scores, candidates, kept)]
 
 
 @torch.inference_mode()
