@@ -59,14 +59,20 @@ def test_layer_reader_feeder_equals_plain_assembly(eng, pipelined):
 @pytest.mark.parametrize("mode", ["cacheclip", "cacheblend", "ape", "reuse"])
 def test_overlap_and_pipelining_never_change_the_answer(eng, mode):
     answers = []
-    for overlap in (True, False):
+    for overlap in (True, False, "auto"):
         for layerwise in (True, False):
-            eng.config = dataclasses.replace(eng.config, pipeline=PipelineConfig(overlap, layerwise))
-            eng.store.clear_memory()  # cold: readers on the layer-wise path
-            ans = eng.answer(Q, chunk_ids=eng.ids, mode=mode, recompute_ratio=0.4, max_new_tokens=6)
+            cfg = dataclasses.replace(eng.config, pipeline=PipelineConfig(overlap, layerwise))
+            with CacheClipEngine(eng.primary.lm, eng.aux.lm, eng.store.root, cfg) as other:
+                assert other.config.pipeline == PipelineConfig(overlap, layerwise)
+                other.store.clear_memory()  # cold: readers on the layer-wise path
+                ans = other.answer(Q, chunk_ids=eng.ids, mode=mode, recompute_ratio=0.4, max_new_tokens=6)
             answers.append((ans.text, ans.recomputed))
-    eng.config = dataclasses.replace(eng.config, pipeline=PipelineConfig())
     assert all(a == answers[0] for a in answers)
+
+
+def test_an_engine_config_is_fixed_once_open(eng):
+    with pytest.raises(AttributeError, match="fixed when it opens"):
+        eng.config = EngineConfig()
 
 
 def test_breakdown_reports_overlap(eng):
@@ -74,3 +80,21 @@ def test_breakdown_reports_overlap(eng):
     t = ans.timings
     assert {"selection", "selection_wait", "selection_hidden", "load", "load_wait", "assemble", "recompute"} <= set(t)
     assert 0.0 <= t["selection_hidden"] <= t["selection"] + 1e-9
+
+
+def test_selection_runs_first_where_both_models_share_the_cpu(eng):
+    assert eng.config.pipeline.overlap_selection == "auto"
+    assert not eng.config.pipeline.overlaps(torch.device("cpu"), torch.device("cpu"))
+    assert PipelineConfig().overlaps(torch.device("cuda:0"), torch.device("cpu"))  # the paper's split
+    assert PipelineConfig(True).overlaps(torch.device("cpu"), torch.device("cpu"))
+    eng.store.clear_memory()
+    t = eng.answer(Q, chunk_ids=eng.ids, recompute_ratio=0.4, max_new_tokens=2).timings
+    assert t["selection"] > 0 and t["selection_hidden"] == 0.0 and t["selection_wait"] == t["selection"]
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_pipeline_config_rejects_what_is_not_a_switch(bad):
+    with pytest.raises(ValueError, match="overlap_selection"):
+        PipelineConfig(overlap_selection=bad)
+    with pytest.raises(ValueError, match="layerwise_loading"):
+        PipelineConfig(layerwise_loading=bad)

@@ -155,12 +155,29 @@ class BaselineConfig:
 class PipelineConfig:
     """Time-to-first-token machinery; neither switch changes any result.
 
-    overlap_selection: run the aux selection on a CPU thread while the primary caches load.
+    overlap_selection: run the aux selection on a worker thread while the primary caches load
+    and assemble (True), or select first and load after (False). "auto" (the default) overlaps
+    where the primary runs on another device than the aux (the paper's split: aux on the CPU,
+    primary on a GPU) and selects first where both share the CPU: there the two compete for
+    the same cores, the overlap hid 0-0.02 s of the selection and made it longer (2-core CPUs,
+    docs/benchmarks.md, "Selection before loading on a CPU").
     layerwise_loading: load and assemble layer l + 1 while layer l is recomputed.
     """
 
-    overlap_selection: bool = True
+    overlap_selection: bool | str = "auto"
     layerwise_loading: bool = True
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.overlap_selection, bool) or self.overlap_selection == "auto"):
+            raise ValueError(f"overlap_selection must be True, False or 'auto', got {self.overlap_selection!r}")
+        if not isinstance(self.layerwise_loading, bool):
+            raise ValueError(f"layerwise_loading must be True or False, got {self.layerwise_loading!r}")
+
+    def overlaps(self, primary: torch.device, aux: torch.device) -> bool:
+        """Whether the aux selection overlaps loading, for models on these devices."""
+        if self.overlap_selection == "auto":
+            return primary != aux
+        return bool(self.overlap_selection)
 
 
 @dataclass(frozen=True)

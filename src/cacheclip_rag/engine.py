@@ -42,7 +42,7 @@ class CacheClipEngine:
     """
 
     def __init__(self, primary: LoadedModel, aux: LoadedModel, store_dir: str | Path, config: EngineConfig | None = None):
-        self.config = config or EngineConfig()
+        self._config = config or EngineConfig()
         self.store = open_store(store_dir, self.config.store)
         self.store.bind_models({"primary": primary.fingerprint, "aux": aux.fingerprint})
         self.primary = ChunkCaches.open(primary, self.store, self.config.prompt, "primary")
@@ -59,6 +59,18 @@ class CacheClipEngine:
         # One worker runs aux selection beside the primary loading (CacheClip's CPU/GPU split).
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheclip-aux")
         self._ingestor.open_corpus()
+
+    @property
+    def config(self) -> EngineConfig:
+        """The settings this engine opened with (fixed: its store, index and request preparer are
+        built from them)."""
+        return self._config
+
+    @config.setter
+    def config(self, value: EngineConfig) -> None:
+        raise AttributeError("an engine's config is fixed when it opens; open another engine with the new config "
+                             "(the loaded models can be shared: CacheClipEngine(engine.primary.lm, engine.aux.lm, "
+                             "store_dir, config))")
 
     @classmethod
     def from_pretrained(

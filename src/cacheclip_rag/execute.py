@@ -35,40 +35,50 @@ class Executed:
 
 
 def execute(prepared: Prepared, selector: Selector, pool: Executor | None) -> Executed:
-    """Plan (on `pool` when the selector uses the aux model and overlap is on) and build the
-    request's cache; timings go to `prepared.request.timings`.
+    """Plan and build the request's cache; timings go to `prepared.request.timings`.
 
-    An aux-using selector keeps every token at its own position, so while it plans on the
-    worker thread the primary caches are already being loaded and assembled layer by layer;
-    recompute starts when the plan arrives (CacheClip's overlap of selection with loading).
+    An aux-using selector keeps every token at its own position, so where the pipeline config
+    overlaps (`PipelineConfig.overlaps`: by default where the primary is on another device than
+    the aux) it plans on `pool`'s worker thread while the primary caches are loaded and
+    assembled layer by layer, and recompute starts when the plan arrives (CacheClip's overlap of
+    selection with loading). Otherwise it plans first and the loading starts after.
     """
     timings = prepared.request.timings
     for key in ("selection", "load", "assemble", "recompute"):
         timings[key] = 0.0
     uses_aux = selector.wants_aux(prepared)
-    future = None
-    if not uses_aux:
-        plan = selector.plan_for(prepared)  # cheap: no model runs
-        if plan.full_prefill:
-            return _full_prefill(prepared, plan)
-    elif pool is not None and prepared.config.pipeline.overlap_selection:
-        future = pool.submit(selector.plan_for, prepared)
+    overlap = uses_aux and pool is not None and prepared.config.pipeline.overlaps(prepared.primary.lm.device,
+                                                                                   prepared.aux.lm.device)
+    future = pool.submit(selector.plan_for, prepared) if overlap else None
+    plan = None if overlap else selector.plan_for(prepared)  # aux selection first: nothing competes with it
+    if plan is not None and uses_aux:
+        timings["selection"] = timings["selection_wait"] = plan.seconds
+        timings["selection_hidden"] = 0.0
+        _check_keeps_positions(selector, plan)
+    if plan is not None and not uses_aux and plan.full_prefill:
+        return _full_prefill(prepared, plan)
     start = time.perf_counter()
     sources = {seg.chunk_id: _source(prepared, seg) for seg in prepared.layout.chunk_segments()}
     timings["load"] = time.perf_counter() - start
-    positions = plan.positions if not uses_aux else None
+    positions = plan.positions if plan is not None else None
     cache, feeder = _assemble(prepared, sources, positions)
-    if uses_aux:
+    if future is not None:
         t = time.perf_counter()
-        plan = future.result() if future is not None else selector.plan_for(prepared)
+        plan = future.result()
         if plan.positions is not None:
             feeder.finish()
-            raise ValueError(f"selector {selector.name!r} uses the aux model and moves token positions; an aux "
-                             "selector's plan must keep positions (the cache is assembled while it plans)")
+        _check_keeps_positions(selector, plan)
         timings["selection"] = plan.seconds
-        timings["selection_wait"] = time.perf_counter() - t if future is not None else plan.seconds
+        timings["selection_wait"] = time.perf_counter() - t
         timings["selection_hidden"] = max(0.0, plan.seconds - timings["selection_wait"])
     return _recompute(prepared, plan, cache, feeder, start)
+
+
+def _check_keeps_positions(selector: Selector, plan: Plan) -> None:
+    """An aux selector's plan keeps every token at its place (the cache may be assembled while it plans)."""
+    if plan.positions is not None:
+        raise ValueError(f"selector {selector.name!r} uses the aux model and moves token positions; an aux "
+                         "selector's plan must keep positions (the cache is assembled while it plans)")
 
 
 def _source(prepared: Prepared, seg):

@@ -1,0 +1,46 @@
+"""Full prefill of the default primary in float32 and bf16 on this CPU, interleaved runs.
+
+Usage: python scripts/probe_dtype.py [--tokens 2048] [--runs 2]
+Prints seconds per prefill (median) per dtype and the bf16/float32 ratio, with the CPU flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from cacheclip_rag.config import ModelConfig
+from cacheclip_rag.hardware import describe
+from cacheclip_rag.models import DEFAULT_PRIMARY, load
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--model", default=None)
+    args = ap.parse_args()
+    name = args.model or DEFAULT_PRIMARY
+    models = {d: load(name, ModelConfig(dtype=d)) for d in ("float32", "bfloat16")}
+    ids = torch.randint(100, 20000, (1, args.tokens))
+    times = {d: [] for d in models}
+    with torch.inference_mode():
+        for d, lm in models.items():  # warm-up
+            lm.model(input_ids=ids[:, :64], use_cache=False, logits_to_keep=1)
+        for _ in range(args.runs):
+            for d, lm in models.items():
+                t = time.perf_counter()
+                lm.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                times[d].append(time.perf_counter() - t)
+    print(describe(), f"; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    med = {d: statistics.median(v) for d, v in times.items()}
+    for d, v in times.items():
+        print(f"{d:<9} {args.tokens} tokens prefill: median {med[d]:.2f} s  runs {[round(x, 2) for x in v]}")
+    print(f"bf16 / float32 = {med['bfloat16'] / med['float32']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
