@@ -1,6 +1,7 @@
 """Probe: where a 4K cacheclip request's selective recompute goes, beside a full prefill.
 
-Usage: python scripts/probe_recompute.py [LENGTH]
+Usage: python scripts/probe_recompute.py [LENGTH] [--no-split]
+(--no-split: the blocked attention without split blocks, as before they existed)
 Assembles the request's cache once, then profiles `recompute_rows` (copies of that cache) and
 the model's own full prefill with torch.profiler, grouped by operator (self CPU time).
 """
@@ -19,7 +20,12 @@ from cacheclip_rag.haystack import needle_context
 from cacheclip_rag.plan import get as get_selector
 from cacheclip_rag.recompute import recompute_rows
 
-length = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+length = int(args[0]) if args else 4096
+if "--no-split" in sys.argv:
+    import cacheclip_kernels.blocked as blocked
+
+    blocked._flash_with_lse = lambda: None
 eng = CacheClipEngine.from_pretrained(store_dir=Path.home() / ".cache/cacheclip-rag/bench-store")
 ctx, q, _ = needle_context(eng.primary.lm.tokenizer, length, 1234 + length)
 ids = eng.ingest([ctx], progress=False)
@@ -43,7 +49,7 @@ def run_full():
         lm.model(input_ids=layout.input_ids[None], use_cache=True, logits_to_keep=1)
 
 
-for name, fn in (("recompute", run_recompute), ("full", run_full)):
+for name, fn in (("recompute", run_recompute),) + ((("full", run_full),) if "--no-full" not in sys.argv else ()):
     fn()
     t = time.perf_counter()
     fn()

@@ -154,18 +154,44 @@ def test_recompute_through_the_kernel_equals_the_torch_path(tiny_lm):
     assert not math.isnan(results["triton"][0].sum().item())
 
 
-@pytest.mark.parametrize("window", [None, 5, 100])
-@pytest.mark.parametrize("m, n, blocks", [(1, 1, None), (37, 300, None), (300, 700, None), (300, 700, 5), (64, 64, 3)])
-def test_blocked_cpu_path_matches_reference(m, n, blocks, window):
+@pytest.mark.parametrize("window, split", [(None, False), (None, True), (5, False), (100, False)])
+@pytest.mark.parametrize("m, n, blocks", [(1, 1, None), (37, 300, None), (300, 700, None), (300, 700, 5), (64, 64, 3),
+                                          (600, 2000, None)])
+def test_blocked_cpu_path_matches_reference(m, n, blocks, window, split):
     from cacheclip_kernels import BlockPlan, blocked_attention
 
     g = torch.Generator().manual_seed(m + n)
     q, k, v = torch.randn(1, 6, m, 64, generator=g), torch.randn(1, 2, n, 64, generator=g), torch.randn(1, 2, n, 64, generator=g)
     pos = torch.sort(torch.randperm(n, generator=g)[:m]).values
-    plan = BlockPlan.build(pos, n, window, blocks)
+    plan = BlockPlan.build(pos, n, window, blocks, split=split)
     got = blocked_attention(q, k, v, plan, scale=0.2)
     torch.testing.assert_close(got, sparse_query_attention_ref(q, k, v, pos[None], scale=0.2, window=window), atol=2e-5, rtol=2e-5)
-    assert all(b.hi - b.lo <= n for b in plan.blocks) and sum(b.rows.stop - b.rows.start for b in plan.blocks) == m
+    parts = plan.split if split else plan.blocks
+    assert bool(plan.split) == split and sum(b.rows.stop - b.rows.start for b in parts) == m
+    if split:  # every row but a block's first is in exactly one masked sub-block
+        assert sum(t.rows.stop - t.rows.start for b in plan.split for t in b.tail) == m - len(plan.split)
+
+
+def test_split_blocks_default_where_there_is_no_window_and_refuse_a_window():
+    from cacheclip_kernels import BlockPlan
+
+    pos = torch.arange(0, 600, 2)
+    assert BlockPlan.build(pos, 600).split and not BlockPlan.build(pos, 600, window=50).split
+    with pytest.raises(ValueError, match="sliding window"):
+        BlockPlan.build(pos, 600, window=50, split=True)
+
+
+def test_split_blocks_in_bf16_stay_near_the_float32_reference():
+    from cacheclip_kernels import BlockPlan, blocked_attention
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, h, m, 64, generator=g) for h, m in ((14, 500), (2, 3000), (2, 3000)))
+    pos = torch.sort(torch.randperm(3000, generator=g)[:500]).values
+    ref = sparse_query_attention_ref(q, k, v, pos[None], scale=0.125)
+    plan = BlockPlan.build(pos, 3000, split=True)
+    got = blocked_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), plan, scale=0.125)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref, atol=3e-2, rtol=0)
 
 
 def test_block_plan_rejects_unsorted_or_out_of_range_rows():

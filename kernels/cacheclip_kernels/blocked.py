@@ -7,6 +7,15 @@ fused SDPA call over only the keys up to its last row (and, on a sliding-window 
 first row's window start). Measured on a 2-core CPU, 4K keys and 20% of the rows: 0.29 of a
 dense causal prefill's attention against 0.42 for the single masked call. The plan (blocks, key
 ranges, masks) depends only on the rows, so a layer loop builds it once per request.
+
+Split blocks (layers without a sliding window, where the CPU flash kernel that returns its
+log-sum-exp is available): a block's keys up to its first row's position are seen by every row of
+the block, so they go through one call without a mask; the keys after it go through small masked
+sub-blocks of rows, and the two partial softmaxes are merged through their log-sum-exps. Rows
+spread over the request then stop paying for the keys their block's last row sees: on a 2-core
+AVX512-BF16 CPU (bf16, 4,462 keys, ~800 rows, per layer) 97 ms against 113 ms for late-weighted
+rows and 76 against 86 ms for evenly spread ones; a 4K request's recompute spent 10-14% less in
+attention (2-6% less in all).
 """
 
 from __future__ import annotations
@@ -28,23 +37,54 @@ class Block:
 
 
 @dataclass(frozen=True)
+class SplitBlock:
+    """Rows that all see keys [0, shared); `tail` covers keys from `shared` on, in masked
+    sub-blocks over the rows after the first (the first row's own position is shared - 1)."""
+
+    rows: slice
+    shared: int
+    tail: tuple[Block, ...]
+
+
+def _flash_with_lse():
+    """The CPU flash-attention op that also returns the log-sum-exp, or None where this torch lacks it."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+SUB_ROWS = 64
+"""Rows per masked sub-block of a split block."""
+
+
+@dataclass(frozen=True)
 class BlockPlan:
-    """How M rows at sorted positions attend to N keys, in `blocks` of consecutive rows."""
+    """How M rows at sorted positions attend to N keys, in `blocks` of consecutive rows (or, split,
+    in `split` blocks: see the module docstring)."""
 
     n_keys: int
     window: int | None
     blocks: tuple[Block, ...]
+    split: tuple[SplitBlock, ...] = ()
 
     @classmethod
-    def build(cls, positions: torch.Tensor, n_keys: int, window: int | None = None, blocks: int | None = None) -> BlockPlan:
+    def build(cls, positions: torch.Tensor, n_keys: int, window: int | None = None, blocks: int | None = None,
+              split: bool | None = None) -> BlockPlan:
         """positions: [M] ascending, in [0, n_keys). blocks: how many (default: one per 128
-        rows, at most 8: fewer calls cost less overhead, more skip more keys)."""
+        rows, at most 8: fewer calls cost less overhead, more skip more keys; split: one per 256
+        rows, at most 8). split: use split blocks (default: where there is no window and the op
+        that returns the log-sum-exp exists; asking for it on a windowed layer is a ValueError)."""
         check_window(window)
         if positions.dim() != 1:
             raise ValueError(f"positions must be [M], got {tuple(positions.shape)}")
         m = int(positions.numel())
         if m and (int(positions[0]) < 0 or int(positions[-1]) >= n_keys or bool((positions[1:] < positions[:-1]).any())):
             raise ValueError(f"positions must be ascending in [0, {n_keys})")
+        if split is None:
+            split = window is None and _flash_with_lse() is not None
+        if split:
+            if window is not None:
+                raise ValueError(f"split blocks are for layers without a sliding window, got window={window}")
+            count = max(1, min(8, m // 256)) if blocks is None else blocks
+            return cls(n_keys, window, (), _split_blocks(positions, count))
         count = max(1, min(8, m // 128)) if blocks is None else blocks
         bounds = [round(i * m / count) for i in range(count + 1)]
         out = []
@@ -62,6 +102,44 @@ class BlockPlan:
         return cls(n_keys, window, tuple(out))
 
 
+def _bounds(m: int, count: int) -> list[tuple[int, int]]:
+    edges = [round(i * m / count) for i in range(count + 1)]
+    return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+
+
+def _split_blocks(positions: torch.Tensor, count: int) -> tuple[SplitBlock, ...]:
+    out = []
+    for start, stop in _bounds(int(positions.numel()), count):
+        shared = int(positions[start]) + 1
+        tail = []
+        for a in range(start + 1, stop, SUB_ROWS):
+            p = positions[a : min(a + SUB_ROWS, stop)]
+            keys = torch.arange(shared, int(p[-1]) + 1, device=positions.device)[None, :]
+            tail.append(Block(slice(a, a + p.numel()), shared, int(p[-1]) + 1, (keys <= p[:, None])[None, None]))
+        out.append(SplitBlock(slice(start, stop), shared, tuple(tail)))
+    return tuple(out)
+
+
+def _split_attention(q, k, v, block: SplitBlock, scale: float | None) -> torch.Tensor:
+    """One split block: [1, H, rows, D], merged in float32 and returned in q's dtype."""
+    flash = _flash_with_lse()
+    s = block.rows
+    out, lse = flash(q[:, :, s], k[:, :, : block.shared], v[:, :, : block.shared], 0.0, False, scale=scale)
+    if not block.tail:
+        return out
+    tail_out = torch.zeros_like(out)  # the first row sees no tail key: weight exp(-inf) = 0
+    tail_lse = torch.full_like(lse, float("-inf"))
+    for b in block.tail:
+        bias = torch.zeros(b.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~b.mask, float("-inf"))
+        r = slice(b.rows.start - s.start, b.rows.stop - s.start)
+        tail_out[:, :, r], tail_lse[:, :, r] = flash(q[:, :, b.rows], k[:, :, b.lo : b.hi], v[:, :, b.lo : b.hi], 0.0, False,
+                                                     attn_mask=bias, scale=scale)
+    top = torch.maximum(lse, tail_lse)  # [1, H, rows], float32
+    w1, w2 = torch.exp(lse - top)[..., None], torch.exp(tail_lse - top)[..., None]
+    out = (out.float() * w1 + tail_out.float() * w2) / (w1 + w2)
+    return out.to(q.dtype)
+
+
 def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, *, scale: float | None = None) -> torch.Tensor:
     """`sparse_query_attention_ref` for batch 1 and rows at the plan's sorted positions.
 
@@ -69,6 +147,9 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: B
     """
     if q.shape[0] != 1 or k.shape[2] != plan.n_keys:
         raise ValueError(f"blocked attention takes batch 1 and the plan's {plan.n_keys} keys; got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if plan.split:
+        parts = [_split_attention(q, k, v, b, scale) for b in plan.split]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     gqa = q.shape[1] != k.shape[1]
     parts = [
         F.scaled_dot_product_attention(q[:, :, b.rows], k[:, :, b.lo : b.hi], v[:, :, b.lo : b.hi], attn_mask=b.mask,
