@@ -173,12 +173,15 @@ def test_blocked_cpu_path_matches_reference(m, n, blocks, window, split):
 
 
 def test_split_blocks_default_where_there_is_no_window_and_refuse_a_window():
-    from cacheclip_kernels import BlockPlan
+    from cacheclip_kernels import BlockPlan, blocked_attention
 
     pos = torch.arange(0, 600, 2)
     assert BlockPlan.build(pos, 600).split and not BlockPlan.build(pos, 600, window=50).split
     with pytest.raises(ValueError, match="sliding window"):
         BlockPlan.build(pos, 600, window=50, split=True)
+    q, kv = torch.empty(1, 6, 300, 64, device="meta"), torch.empty(1, 2, 600, 64, device="meta")
+    with pytest.raises(ValueError, match="CPU flash kernel"):
+        blocked_attention(q, kv, kv, BlockPlan.build(pos, 600, split=True))
 
 
 def test_split_blocks_in_bf16_stay_near_the_float32_reference():

@@ -70,16 +70,17 @@ class BlockPlan:
               split: bool | None = None) -> BlockPlan:
         """positions: [M] ascending, in [0, n_keys). blocks: how many (default: one per 128
         rows, at most 8: fewer calls cost less overhead, more skip more keys; split: one per 256
-        rows, at most 8). split: use split blocks (default: where there is no window and the op
-        that returns the log-sum-exp exists; asking for it on a windowed layer is a ValueError)."""
+        rows, at most 8). split: use split blocks (default: for rows on the CPU where there is no
+        window and the op that returns the log-sum-exp exists; asking for it on a windowed layer
+        is a ValueError)."""
         check_window(window)
         if positions.dim() != 1:
             raise ValueError(f"positions must be [M], got {tuple(positions.shape)}")
         m = int(positions.numel())
         if m and (int(positions[0]) < 0 or int(positions[-1]) >= n_keys or bool((positions[1:] < positions[:-1]).any())):
             raise ValueError(f"positions must be ascending in [0, {n_keys})")
-        if split is None:
-            split = window is None and _flash_with_lse() is not None
+        if split is None:  # the op is the CPU kernel's: plans for rows on another device keep plain blocks
+            split = window is None and positions.device.type == "cpu" and _flash_with_lse() is not None
         if split:
             if window is not None:
                 raise ValueError(f"split blocks are for layers without a sliding window, got window={window}")
@@ -148,6 +149,8 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: B
     if q.shape[0] != 1 or k.shape[2] != plan.n_keys:
         raise ValueError(f"blocked attention takes batch 1 and the plan's {plan.n_keys} keys; got q {tuple(q.shape)}, k {tuple(k.shape)}")
     if plan.split:
+        if q.device.type != "cpu":
+            raise ValueError(f"split blocks run the CPU flash kernel; got q on {q.device} (build the plan with split=False)")
         parts = [_split_attention(q, k, v, b, scale) for b in plan.split]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     gqa = q.shape[1] != k.shape[1]
