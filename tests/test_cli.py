@@ -95,6 +95,14 @@ def test_bench_deviation_prints_layers_concentration_and_fidelity(folders, tmp_p
     assert {p["other"] for p in json.loads(out.read_text())["versus"]} == {"deviation@0.5", "deviation-L1@0.5"}
 
 
+def test_bench_ttft_says_where_each_model_runs_and_when_the_aux_selects(folders, tmp_path, capsys):
+    assert main(["bench", "ttft", "--lengths", "100", "--runs", "1", "--modes", "reuse", "cacheclip", "--ratios", "0.5",
+                 "--chunk-tokens", "40", "--max-new-tokens", "2", *_args(folders, tmp_path / "s")]) == 0
+    printed = capsys.readouterr().out
+    assert "primary on cpu, aux on cpu: aux selection before cache loading" in printed
+    assert "cacheclip" in printed and "/full" in printed
+
+
 def test_bad_input_exits_2_with_a_message(folders, tmp_path, capsys):
     assert main(["ask", "q?", "--ratio", "1.5", *_args(folders, tmp_path / "empty")]) == 2
     assert "recompute_ratio must be in [0, 1]" in capsys.readouterr().err

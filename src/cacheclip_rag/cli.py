@@ -344,6 +344,10 @@ def cmd_bench(args) -> int:
     engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
     rows = ttft.run(engine, args.lengths, _mode_list(args.modes or ["full", "reuse", "cacheclip"], args.ratios),
                     runs=args.runs, max_new_tokens=args.max_new_tokens, budget=args.budget)
+    primary, aux = engine.primary.lm.device, engine.aux.lm.device
+    overlap = engine.config.pipeline.overlaps(primary, aux)
+    print(f"primary on {primary}, aux on {aux}: aux selection "
+          f"{'overlapped with cache loading' if overlap else 'before cache loading'}")
     print(ttft.table(rows))
     if args.json:
         ttft.write_json(rows, args.json)
