@@ -25,7 +25,7 @@ length = int(args[0]) if args else 4096
 if "--no-split" in sys.argv:
     import cacheclip_kernels.blocked as blocked
 
-    blocked._flash_with_lse = lambda: None
+    blocked.SPLIT_BY_DEFAULT = False
 eng = CacheClipEngine.from_pretrained(store_dir=Path.home() / ".cache/cacheclip-rag/bench-store")
 ctx, q, _ = needle_context(eng.primary.lm.tokenizer, length, 1234 + length)
 ids = eng.ingest([ctx], progress=False)

@@ -20,7 +20,7 @@ attention (2-6% less in all).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,10 @@ def _flash_with_lse():
 SUB_ROWS = 64
 """Rows per masked sub-block of a split block."""
 
+SPLIT_BY_DEFAULT = True
+"""Whether `BlockPlan.build` plans split blocks where it can when not told (False: plain blocks
+everywhere, to compare the two paths end to end)."""
+
 
 @dataclass(frozen=True)
 class BlockPlan:
@@ -64,6 +68,7 @@ class BlockPlan:
     window: int | None
     blocks: tuple[Block, ...]
     split: tuple[SplitBlock, ...] = ()
+    _biases: dict = field(default_factory=dict, compare=False, repr=False)  # dtype -> the tail masks as additive biases
 
     @classmethod
     def build(cls, positions: torch.Tensor, n_keys: int, window: int | None = None, blocks: int | None = None,
@@ -80,18 +85,15 @@ class BlockPlan:
         if m and (int(positions[0]) < 0 or int(positions[-1]) >= n_keys or bool((positions[1:] < positions[:-1]).any())):
             raise ValueError(f"positions must be ascending in [0, {n_keys})")
         if split is None:  # the op is the CPU kernel's: plans for rows on another device keep plain blocks
-            split = window is None and positions.device.type == "cpu" and _flash_with_lse() is not None
+            split = SPLIT_BY_DEFAULT and window is None and positions.device.type == "cpu" and _flash_with_lse() is not None
         if split:
             if window is not None:
                 raise ValueError(f"split blocks are for layers without a sliding window, got window={window}")
             count = max(1, min(8, m // 256)) if blocks is None else blocks
             return cls(n_keys, window, (), _split_blocks(positions, count))
         count = max(1, min(8, m // 128)) if blocks is None else blocks
-        bounds = [round(i * m / count) for i in range(count + 1)]
         out = []
-        for start, stop in zip(bounds, bounds[1:]):
-            if stop <= start:
-                continue
+        for start, stop in _bounds(m, count):
             p = positions[start:stop]
             hi = int(p[-1]) + 1
             lo = 0 if window is None else max(0, int(p[0]) - window + 1)
@@ -101,6 +103,17 @@ class BlockPlan:
                 mask &= p[:, None] - keys < window
             out.append(Block(slice(start, stop), lo, hi, mask[None, None]))
         return cls(n_keys, window, tuple(out))
+
+    def tail_biases(self, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """Per split block, its sub-blocks' masks as additive biases in `dtype` (the flash op takes
+        no boolean mask); made once per dtype, as the plan serves every layer."""
+        if dtype not in self._biases:
+            self._biases[dtype] = tuple(
+                tuple(torch.zeros(b.mask.shape, dtype=dtype, device=b.mask.device).masked_fill_(~b.mask, float("-inf"))
+                      for b in block.tail)
+                for block in self.split
+            )
+        return self._biases[dtype]
 
 
 def _bounds(m: int, count: int) -> list[tuple[int, int]]:
@@ -121,8 +134,9 @@ def _split_blocks(positions: torch.Tensor, count: int) -> tuple[SplitBlock, ...]
     return tuple(out)
 
 
-def _split_attention(q, k, v, block: SplitBlock, scale: float | None) -> torch.Tensor:
-    """One split block: [1, H, rows, D], merged in float32 and returned in q's dtype."""
+def _split_attention(q, k, v, block: SplitBlock, biases: tuple[torch.Tensor, ...], scale: float | None) -> torch.Tensor:
+    """One split block (biases: its tail's, from `BlockPlan.tail_biases`): [1, H, rows, D],
+    merged in float32 and returned in q's dtype."""
     flash = _flash_with_lse()
     s = block.rows
     out, lse = flash(q[:, :, s], k[:, :, : block.shared], v[:, :, : block.shared], 0.0, False, scale=scale)
@@ -130,8 +144,7 @@ def _split_attention(q, k, v, block: SplitBlock, scale: float | None) -> torch.T
         return out
     tail_out = torch.zeros_like(out)  # the first row sees no tail key: weight exp(-inf) = 0
     tail_lse = torch.full_like(lse, float("-inf"))
-    for b in block.tail:
-        bias = torch.zeros(b.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~b.mask, float("-inf"))
+    for b, bias in zip(block.tail, biases):
         r = slice(b.rows.start - s.start, b.rows.stop - s.start)
         tail_out[:, :, r], tail_lse[:, :, r] = flash(q[:, :, b.rows], k[:, :, b.lo : b.hi], v[:, :, b.lo : b.hi], 0.0, False,
                                                      attn_mask=bias, scale=scale)
@@ -151,7 +164,7 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: B
     if plan.split:
         if q.device.type != "cpu":
             raise ValueError(f"split blocks run the CPU flash kernel; got q on {q.device} (build the plan with split=False)")
-        parts = [_split_attention(q, k, v, b, scale) for b in plan.split]
+        parts = [_split_attention(q, k, v, b, bias, scale) for b, bias in zip(plan.split, plan.tail_biases(q.dtype))]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     gqa = q.shape[1] != k.shape[1]
     parts = [

@@ -49,14 +49,17 @@ def execute(prepared: Prepared, selector: Selector, pool: Executor | None) -> Ex
     uses_aux = selector.wants_aux(prepared)
     overlap = uses_aux and pool is not None and prepared.config.pipeline.overlaps(prepared.primary.lm.device,
                                                                                    prepared.aux.lm.device)
-    future = pool.submit(selector.plan_for, prepared) if overlap else None
-    plan = None if overlap else selector.plan_for(prepared)  # aux selection first: nothing competes with it
-    if plan is not None and uses_aux:
-        timings["selection"] = timings["selection_wait"] = plan.seconds
-        timings["selection_hidden"] = 0.0
-        _check_keeps_positions(selector, plan)
-    if plan is not None and not uses_aux and plan.full_prefill:
-        return _full_prefill(prepared, plan)
+    future, plan = None, None
+    if overlap:
+        future = pool.submit(selector.plan_for, prepared)
+    else:
+        plan = selector.plan_for(prepared)  # an aux selection first: nothing competes with it
+        if uses_aux:
+            _check_keeps_positions(selector, plan)
+            timings["selection"] = timings["selection_wait"] = plan.seconds
+            timings["selection_hidden"] = 0.0
+        elif plan.full_prefill:
+            return _full_prefill(prepared, plan)
     start = time.perf_counter()
     sources = {seg.chunk_id: _source(prepared, seg) for seg in prepared.layout.chunk_segments()}
     timings["load"] = time.perf_counter() - start
