@@ -1,12 +1,13 @@
 """Probe: where a 4K cacheclip request's selective recompute goes, beside a full prefill.
 
-Usage: python scripts/probe_recompute.py [LENGTH] [--no-split]
-(--no-split: the blocked attention without split blocks, as before they existed)
+Usage: python scripts/probe_recompute.py [LENGTH] [--kind plain|split|matmul] [--no-full]
+(--kind: the CPU attention's block kind instead of the default for the dtype; --no-full: skip
+the full prefill)
 Assembles the request's cache once, then profiles `recompute_rows` (copies of that cache) and
 the model's own full prefill with torch.profiler, grouped by operator (self CPU time).
 """
 
-import sys
+import argparse
 import time
 from pathlib import Path
 
@@ -20,12 +21,15 @@ from cacheclip_rag.haystack import needle_context
 from cacheclip_rag.plan import get as get_selector
 from cacheclip_rag.recompute import recompute_rows
 
-args = [a for a in sys.argv[1:] if not a.startswith("--")]
-length = int(args[0]) if args else 4096
-if "--no-split" in sys.argv:
-    import cacheclip_kernels.blocked as blocked
+import cacheclip_kernels.blocked as blocked
 
-    blocked.SPLIT_BY_DEFAULT = False
+parser = argparse.ArgumentParser()
+parser.add_argument("length", type=int, nargs="?", default=4096)
+parser.add_argument("--kind", choices=blocked.KINDS)
+parser.add_argument("--no-full", action="store_true")
+args = parser.parse_args()
+length = args.length
+blocked.DEFAULT_KIND = args.kind
 eng = CacheClipEngine.from_pretrained(store_dir=Path.home() / ".cache/cacheclip-rag/bench-store")
 ctx, q, _ = needle_context(eng.primary.lm.tokenizer, length, 1234 + length)
 ids = eng.ingest([ctx], progress=False)
@@ -49,7 +53,7 @@ def run_full():
         lm.model(input_ids=layout.input_ids[None], use_cache=True, logits_to_keep=1)
 
 
-for name, fn in (("recompute", run_recompute),) + ((("full", run_full),) if "--no-full" not in sys.argv else ()):
+for name, fn in (("recompute", run_recompute),) + ((("full", run_full),) if not args.no_full else ()):
     fn()
     t = time.perf_counter()
     fn()

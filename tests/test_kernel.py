@@ -154,47 +154,60 @@ def test_recompute_through_the_kernel_equals_the_torch_path(tiny_lm):
     assert not math.isnan(results["triton"][0].sum().item())
 
 
-@pytest.mark.parametrize("window, split", [(None, False), (None, True), (5, False), (100, False)])
+@pytest.mark.parametrize("window, kind", [(None, "plain"), (None, "split"), (None, "matmul"), (5, "plain"), (100, "plain"),
+                                          (5, "matmul"), (100, "matmul")])
 @pytest.mark.parametrize("m, n, blocks", [(1, 1, None), (37, 300, None), (300, 700, None), (300, 700, 5), (64, 64, 3),
                                           (600, 2000, None)])
-def test_blocked_cpu_path_matches_reference(m, n, blocks, window, split):
+def test_blocked_cpu_path_matches_reference(m, n, blocks, window, kind):
     from cacheclip_kernels import BlockPlan, blocked_attention
 
     g = torch.Generator().manual_seed(m + n)
     q, k, v = torch.randn(1, 6, m, 64, generator=g), torch.randn(1, 2, n, 64, generator=g), torch.randn(1, 2, n, 64, generator=g)
     pos = torch.sort(torch.randperm(n, generator=g)[:m]).values
-    plan = BlockPlan.build(pos, n, window, blocks, split=split)
+    plan = BlockPlan.build(pos, n, window, blocks, kind=kind)
     got = blocked_attention(q, k, v, plan, scale=0.2)
     torch.testing.assert_close(got, sparse_query_attention_ref(q, k, v, pos[None], scale=0.2, window=window), atol=2e-5, rtol=2e-5)
-    parts = plan.split if split else plan.blocks
-    assert bool(plan.split) == split and sum(b.rows.stop - b.rows.start for b in parts) == m
-    if split:  # every row but a block's first is in exactly one masked sub-block
+    parts = {"plain": plan.blocks, "split": plan.split, "matmul": plan.matmul}[kind]
+    assert plan.kind == kind and sum(b.rows.stop - b.rows.start for b in parts) == m
+    if kind == "split":  # every row but a block's first is in exactly one masked sub-block
         assert sum(t.rows.stop - t.rows.start for b in plan.split for t in b.tail) == m - len(plan.split)
 
 
-def test_split_blocks_default_where_there_is_no_window_and_refuse_a_window():
-    from cacheclip_kernels import BlockPlan, blocked_attention
+def test_the_default_kind_follows_device_dtype_and_window(monkeypatch):
+    from cacheclip_kernels import BlockPlan, blocked_attention, blocked
 
     pos = torch.arange(0, 600, 2)
-    assert BlockPlan.build(pos, 600).split and not BlockPlan.build(pos, 600, window=50).split
+    assert BlockPlan.build(pos, 600).kind == "split" and BlockPlan.build(pos, 600, window=50).kind == "plain"
+    for dtype in (torch.bfloat16, torch.float16):
+        assert BlockPlan.build(pos, 600, dtype=dtype).kind == BlockPlan.build(pos, 600, 50, dtype=dtype).kind == "matmul"
+    assert blocked.default_kind(torch.device("cuda"), torch.bfloat16, None) == "plain"
+    monkeypatch.setattr(blocked, "DEFAULT_KIND", "split")  # the override, where split blocks cannot go, is plain
+    assert BlockPlan.build(pos, 600, dtype=torch.bfloat16).kind == "split" and BlockPlan.build(pos, 600, 50).kind == "plain"
     with pytest.raises(ValueError, match="sliding window"):
-        BlockPlan.build(pos, 600, window=50, split=True)
+        BlockPlan.build(pos, 600, window=50, kind="split")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        BlockPlan.build(pos, 600, kind="dense")
     q, kv = torch.empty(1, 6, 300, 64, device="meta"), torch.empty(1, 2, 600, 64, device="meta")
     with pytest.raises(ValueError, match="CPU flash kernel"):
-        blocked_attention(q, kv, kv, BlockPlan.build(pos, 600, split=True))
+        blocked_attention(q, kv, kv, BlockPlan.build(pos, 600, kind="split"))
+    with pytest.raises(ValueError, match="share 4 key heads"):
+        blocked_attention(torch.zeros(1, 6, 300, 64), torch.zeros(1, 4, 600, 64), torch.zeros(1, 4, 600, 64),
+                          BlockPlan.build(pos, 600, kind="matmul"))
 
 
-def test_split_blocks_in_bf16_stay_near_the_float32_reference():
+@pytest.mark.parametrize("kind, window", [("split", None), ("matmul", None), ("matmul", 256)])
+def test_half_precision_blocks_stay_near_the_float32_reference(kind, window):
     from cacheclip_kernels import BlockPlan, blocked_attention
 
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, h, m, 64, generator=g) for h, m in ((14, 500), (2, 3000), (2, 3000)))
     pos = torch.sort(torch.randperm(3000, generator=g)[:500]).values
-    ref = sparse_query_attention_ref(q, k, v, pos[None], scale=0.125)
-    plan = BlockPlan.build(pos, 3000, split=True)
+    ref = sparse_query_attention_ref(q, k, v, pos[None], scale=0.125, window=window)
+    plan = BlockPlan.build(pos, 3000, window, kind=kind)
     got = blocked_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), plan, scale=0.125)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref, atol=3e-2, rtol=0)
+    assert (got.float() - ref).abs().mean() < 2e-3
 
 
 def test_block_plan_rejects_unsorted_or_out_of_range_rows():

@@ -130,12 +130,18 @@ def test_two_rope_thetas_are_kept_apart():
     assert not torch.allclose(local, glob)
 
 
-def test_oracles_hold_in_bf16(tiny_lm):
-    """The same two oracles with the model in bf16 (the dtype "auto" picks on CUDA and AMX CPUs),
-    through the blocked attention path, within bf16 rounding."""
+@pytest.mark.parametrize("kind", [None, "split"])
+def test_oracles_hold_in_bf16(tiny_lm, kind, monkeypatch):
+    """The same two oracles with the model in bf16 (the dtype "auto" picks on CUDA and on CPUs with
+    native bf16), through the blocked attention path, within bf16 rounding: its default kind for
+    bf16 (matmul blocks) and split blocks."""
     import copy
 
+    import cacheclip_kernels.blocked as blocked
+
     from cacheclip_rag.models import wrap
+
+    monkeypatch.setattr(blocked, "DEFAULT_KIND", kind)
 
     lm = wrap(copy.deepcopy(tiny_lm.model).to(torch.bfloat16), tiny_lm.tokenizer, name=tiny_lm.name + "-bf16")
     layout, prefix_kv, kvs = _request(lm)

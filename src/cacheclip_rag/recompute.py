@@ -190,11 +190,11 @@ def recompute_rows(
     rope = fam.rope(h, rope_pos)
     plans: dict[int | None, BlockPlan] = {}  # per sliding window: depends only on the rows
 
-    def block_plan(window: int | None) -> BlockPlan | None:
+    def block_plan(window: int | None, dtype: torch.dtype) -> BlockPlan | None:
         if uses_kernel(backend, rows.is_cuda):
             return None  # the kernel skips unseen keys itself
         if window not in plans:
-            plans[window] = BlockPlan.build(rows, cache.num_tokens, window)
+            plans[window] = BlockPlan.build(rows, cache.num_tokens, window, dtype=dtype)
         return plans[window]
 
     last = len(fam.layers) - 1
@@ -211,7 +211,7 @@ def recompute_rows(
         keys[:, :, rows] = k
         values[:, :, rows] = v
         scale, window = fam.scaling(layer), fam.window(layer)
-        q_rows, plan = rows, block_plan(window)
+        q_rows, plan = rows, block_plan(window, q.dtype)
         if layer == last and rows.numel() > tail:
             # Every row's K/V is written; only the last `tail` rows' outputs reach the logits.
             q, h, q_rows, plan = q[:, :, -tail:], h[:, -tail:], rows[-tail:], None
