@@ -1,6 +1,7 @@
 """The command line end to end on tiny models saved as local folders (any folder works as a model)."""
 
 import json
+import re
 
 import pytest
 
@@ -99,7 +100,9 @@ def test_bench_ttft_says_where_each_model_runs_and_when_the_aux_selects(folders,
     assert main(["bench", "ttft", "--lengths", "100", "--runs", "1", "--modes", "reuse", "cacheclip", "--ratios", "0.5",
                  "--chunk-tokens", "40", "--max-new-tokens", "2", *_args(folders, tmp_path / "s")]) == 0
     printed = capsys.readouterr().out
-    assert "primary on cpu, aux on cpu: aux selection before cache loading" in printed
+    assert "primary on cpu, aux on cpu: aux selection before cache loading; recompute attends with " in printed
+    # dtype "auto": bf16 where this CPU has it natively, else float32
+    assert re.search(r"attends with (matmul blocks \(bfloat16\)|split blocks \(float32\))", printed)
     assert "cacheclip" in printed and "/full" in printed
 
 

@@ -7,7 +7,7 @@ rows in a few blocks, each over only the keys it can see); `sparse_query_attenti
 kernel, imports Triton when first called.
 """
 
-from .blocked import BlockPlan, blocked_attention
+from .blocked import BlockPlan, blocked_attention, default_kind
 from .reference import causal_position_mask, sparse_query_attention_ref
 
 
@@ -20,4 +20,4 @@ def sparse_query_attention(q, k, v, q_pos, *, scale=None, return_lse=False, bloc
     return kernel(q, k, v, q_pos, scale=scale, return_lse=return_lse, block_m=block_m, block_n=block_n, window=window)
 
 
-__all__ = ["BlockPlan", "blocked_attention", "causal_position_mask", "sparse_query_attention", "sparse_query_attention_ref"]
+__all__ = ["BlockPlan", "blocked_attention", "causal_position_mask", "default_kind", "sparse_query_attention", "sparse_query_attention_ref"]

@@ -340,6 +340,7 @@ def cmd_bench(args) -> int:
             http.write_json(rows, args.json)
         return 0
     from .eval import ttft
+    from .recompute import attention_path
 
     engine = _engine(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
     rows = ttft.run(engine, args.lengths, _mode_list(args.modes or ["full", "reuse", "cacheclip"], args.ratios),
@@ -347,7 +348,8 @@ def cmd_bench(args) -> int:
     primary, aux = engine.primary.lm.device, engine.aux.lm.device
     overlap = engine.config.pipeline.overlaps(primary, aux)
     print(f"primary on {primary}, aux on {aux}: aux selection "
-          f"{'overlapped with cache loading' if overlap else 'before cache loading'}")
+          f"{'overlapped with cache loading' if overlap else 'before cache loading'}; recompute attends with "
+          f"{attention_path(engine.config.attention_backend, primary, engine.primary.lm.dtype)}")
     print(ttft.table(rows))
     if args.json:
         ttft.write_json(rows, args.json)

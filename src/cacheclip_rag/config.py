@@ -276,7 +276,9 @@ class EngineConfig:
     embedder: str = "all-minilm-l6-v2"
     """Sentence-transformers model for the chunk index: the embedded default or a local folder."""
     attention_backend: str = "auto"
-    """Recompute attention: "auto" (Triton kernel on CUDA, torch reference on CPU), "torch", "triton"."""
+    """Recompute attention: "auto" (the Triton kernel on CUDA; elsewhere the blocked torch path:
+    matmul blocks in bf16/fp16, split blocks in float32), "torch" (the blocked torch path
+    everywhere), "triton"."""
     packets: str | None = "auto"
     """KV Packet adapters for the packet modes: "auto" (the ones shipped for the primary, if
     any), a .safetensors file from `cacheclip train packet`, or None (packet modes off)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from cacheclip_kernels import BlockPlan, blocked_attention, causal_position_mask, sparse_query_attention, sparse_query_attention_ref
+from cacheclip_kernels import BlockPlan, blocked_attention, default_kind, causal_position_mask, sparse_query_attention, sparse_query_attention_ref
 
 from .models import LoadedModel
 
@@ -56,6 +56,14 @@ BACKENDS = ("auto", "torch", "triton")
 def uses_kernel(backend: str, on_cuda: bool) -> bool:
     """Whether `attend` runs the Triton kernel (else a torch path) for this backend and device."""
     return backend == "triton" or (backend == "auto" and on_cuda)
+
+
+def attention_path(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """In words, what `recompute_rows` attends with for this backend, device and dtype (on layers
+    without a sliding window), for tables that name their code path."""
+    if uses_kernel(backend, device.type == "cuda"):
+        return "the Triton kernel"
+    return f"{default_kind(device, dtype, None)} blocks ({str(dtype).removeprefix('torch.')})"
 
 
 def attend(
