@@ -169,6 +169,7 @@ def test_blocked_cpu_path_matches_reference(m, n, blocks, window, kind):
     torch.testing.assert_close(got, sparse_query_attention_ref(q, k, v, pos[None], scale=0.2, window=window), atol=2e-5, rtol=2e-5)
     parts = {"plain": plan.blocks, "split": plan.split, "matmul": plan.matmul}[kind]
     assert plan.kind == kind and sum(b.rows.stop - b.rows.start for b in parts) == m
+    assert all(b.hi - b.lo <= n for b in plan.blocks + plan.matmul + tuple(t for b in plan.split for t in b.tail))
     if kind == "split":  # every row but a block's first is in exactly one masked sub-block
         assert sum(t.rows.stop - t.rows.start for b in plan.split for t in b.tail) == m - len(plan.split)
 

@@ -140,11 +140,7 @@ class BlockPlan:
             p = positions[start:stop]
             hi = int(p[-1]) + 1
             lo = 0 if window is None else max(0, int(p[0]) - window + 1)
-            keys = torch.arange(lo, hi, device=positions.device)[None, :]
-            mask = keys <= p[:, None]
-            if window is not None:
-                mask &= p[:, None] - keys < window
-            out.append(Block(slice(start, stop), lo, hi, mask[None, None]))
+            out.append(Block(slice(start, stop), lo, hi, _visible(p, lo, hi, window)[None, None]))
         return cls(n_keys, window, kind, tuple(out))
 
     def tail_biases(self, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], ...]:
@@ -159,6 +155,16 @@ class BlockPlan:
         return self._biases[dtype]
 
 
+def _visible(p: torch.Tensor, lo: int, hi: int, window: int | None) -> torch.Tensor:
+    """[rows, hi - lo] bool: which of keys [lo, hi) each row at positions p may see (causally,
+    and within its window on a sliding-window layer)."""
+    keys = torch.arange(lo, hi, device=p.device)[None, :]
+    mask = keys <= p[:, None]
+    if window is not None:
+        mask &= p[:, None] - keys < window
+    return mask
+
+
 def _bounds(m: int, count: int) -> list[tuple[int, int]]:
     edges = [round(i * m / count) for i in range(count + 1)]
     return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
@@ -171,8 +177,8 @@ def _split_blocks(positions: torch.Tensor, count: int) -> tuple[SplitBlock, ...]
         tail = []
         for a in range(start + 1, stop, SUB_ROWS):
             p = positions[a : min(a + SUB_ROWS, stop)]
-            keys = torch.arange(shared, int(p[-1]) + 1, device=positions.device)[None, :]
-            tail.append(Block(slice(a, a + p.numel()), shared, int(p[-1]) + 1, (keys <= p[:, None])[None, None]))
+            hi = int(p[-1]) + 1
+            tail.append(Block(slice(a, a + p.numel()), shared, hi, _visible(p, shared, hi, None)[None, None]))
         out.append(SplitBlock(slice(start, stop), shared, tuple(tail)))
     return tuple(out)
 
@@ -184,11 +190,7 @@ def _matmul_blocks(positions: torch.Tensor, window: int | None) -> tuple[MatmulB
         first, hi = int(p[0]), int(p[-1]) + 1
         lo = 0 if window is None else max(0, first - window + 1)
         masked_from = first + 1 if window is None else lo  # without a window every row sees [0, first]
-        keys = torch.arange(masked_from, hi, device=positions.device)[None, :]
-        hidden = keys > p[:, None]
-        if window is not None:
-            hidden |= p[:, None] - keys >= window
-        out.append(MatmulBlock(slice(a, a + p.numel()), lo, hi, masked_from, hidden))
+        out.append(MatmulBlock(slice(a, a + p.numel()), lo, hi, masked_from, ~_visible(p, masked_from, hi, window)))
     return tuple(out)
 
 
@@ -238,10 +240,10 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: B
     """
     if q.shape[0] != 1 or k.shape[2] != plan.n_keys:
         raise ValueError(f"blocked attention takes batch 1 and the plan's {plan.n_keys} keys; got q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if plan.kind == "matmul":
-        return _matmul_attention(q, k, v, plan, scale)
     if q.shape[2] == 0:
         return q.new_empty(q.shape[:3] + v.shape[3:])
+    if plan.kind == "matmul":
+        return _matmul_attention(q, k, v, plan, scale)
     if plan.kind == "split":
         if q.device.type != "cpu":
             raise ValueError(f"split blocks run the CPU flash kernel; got q on {q.device} (build the plan with another kind)")
