@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from cacheclip_kernels import BlockPlan, blocked_attention, default_kind, causal_position_mask, sparse_query_attention, sparse_query_attention_ref
+from cacheclip_kernels import BlockPlan, blocked_attention, causal_position_mask, default_kind, sparse_query_attention, sparse_query_attention_ref
 
 from .models import LoadedModel
 
