@@ -12,13 +12,13 @@ import tempfile
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import PromptTemplate
 
-from cacheclip_rag.cli import _demo_documents
+from cacheclip_rag.demo import demo_documents
 from langchain_cacheclip import CacheClipLLM, CacheClipRetriever
 
 
 def main() -> None:
     llm = CacheClipLLM.from_pretrained(store_dir=tempfile.mkdtemp(prefix="cacheclip-lc-"), max_new_tokens=48)
-    llm.engine.ingest(_demo_documents()[0])
+    llm.engine.ingest(demo_documents())
     retriever = CacheClipRetriever(engine=llm.engine, k=3)
     prompt = PromptTemplate.from_template(
         "Answer from the context.\n\nContext:\n{context}\n\nQuestion: {question}\nAnswer:"

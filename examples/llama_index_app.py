@@ -11,14 +11,14 @@ import tempfile
 
 from llama_index.core import VectorStoreIndex
 
-from cacheclip_rag.cli import _demo_documents
+from cacheclip_rag.demo import demo_documents
 from llama_index.llms.cacheclip import CacheClipEmbedding, CacheClipLLM, CacheClipQueryEngine, chunk_nodes
 
 
 def main() -> None:
     llm = CacheClipLLM.from_pretrained(store_dir=tempfile.mkdtemp(prefix="cacheclip-li-"), max_new_tokens=48)
     engine = llm.engine
-    engine.ingest(_demo_documents()[0])
+    engine.ingest(demo_documents())
     index = VectorStoreIndex(chunk_nodes(engine), embed_model=CacheClipEmbedding(engine))
     question = "Who is the captain of the Skarv?"
 

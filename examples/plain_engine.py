@@ -7,11 +7,11 @@ in cacheclip mode and once in full mode, and compare time to first token.
 import tempfile
 
 from cacheclip_rag import CacheClipEngine
-from cacheclip_rag.cli import _demo_documents
+from cacheclip_rag.demo import demo_documents
 
 
 def main() -> None:
-    docs, _ = _demo_documents()
+    docs = demo_documents()
     engine = CacheClipEngine.from_pretrained(store_dir=tempfile.mkdtemp(prefix="cacheclip-example-"))
     engine.ingest(docs)
     question = "Who is the captain of the boat that won the silver anchor in 2023?"

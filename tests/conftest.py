@@ -110,10 +110,10 @@ def tiny_pair(tiny_tokenizer):
 def real_engine(tmp_path_factory):
     """The default pair with the shipped demo corpus ingested (one per test session)."""
     from cacheclip_rag import CacheClipEngine
-    from cacheclip_rag.cli import _demo_documents
+    from cacheclip_rag.demo import demo_documents
 
     engine = CacheClipEngine.from_pretrained(store_dir=tmp_path_factory.mktemp("real-store"))
-    engine.ingest(_demo_documents()[0], progress=False)
+    engine.ingest(demo_documents(), progress=False)
     return engine
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
-from cacheclip_rag.cli import _demo_documents
+from cacheclip_rag.demo import demo_documents
 from cacheclip_rag.encode import tokenize
 from cacheclip_rag.models import DEFAULT_AUX, DEFAULT_PRIMARY, load
 from cacheclip_rag.select import map_tokens
@@ -56,7 +56,7 @@ def test_token_mapping_between_the_default_tokenizers(pair, text):
 
 def test_answer_in_one_chunk_with_cacheclip(pair, tmp_path):
     primary, aux = pair
-    docs, _ = _demo_documents()
+    docs = demo_documents()
     engine = CacheClipEngine(primary, aux, tmp_path / "store", EngineConfig(chunk=ChunkConfig(chunk_tokens=256)))
     ids = engine.ingest(docs[:5], progress=False)
     answer = engine.answer(
@@ -75,7 +75,7 @@ def test_shipped_packet_adapters_load_match_their_pin_and_serve(pair, tmp_path, 
 
     primary, aux = pair
     assert primary.name in packets.SHIPPED
-    docs, _ = _demo_documents()
+    docs = demo_documents()
     engine = CacheClipEngine(primary, aux, tmp_path / "store", EngineConfig(chunk=ChunkConfig(chunk_tokens=256)))
     assert engine.packets is not None and engine.packets.adapters.shape == (8, 8)
     ids = engine.ingest(docs[:5], progress=False, packets=True)
@@ -117,7 +117,7 @@ def test_gemma3_full_recompute_reproduces_its_prefill_past_the_window(gemma):
     from cacheclip_rag.encode import encode_prefix, encode_segment
     from cacheclip_rag.recompute import recompute_rows
 
-    docs, _ = _demo_documents()
+    docs = demo_documents()
     texts = [d["text"] for d in docs]
     prefix = encode_prefix(gemma, "<bos>Answer from the context.\n\n")
     kvs = {f"c{i}": encode_segment(gemma, prefix.token_ids, t) for i, t in enumerate(texts)}
@@ -136,7 +136,7 @@ def test_gemma3_as_primary_and_as_aux(gemma, pair, tmp_path):
     """Gemma answers over its own chunk caches (full and cacheclip with the default aux), and
     selects for the default primary as aux."""
     primary, aux = pair
-    docs, _ = _demo_documents()
+    docs = demo_documents()
     question = "What is the access code of the Harbor Lab records vault?"
     config = EngineConfig(chunk=ChunkConfig(chunk_tokens=256))
 
@@ -158,13 +158,13 @@ def test_a_new_store_uses_the_shipped_calibrated_profile(pair, tmp_path):
     """Calibrated out of the box: no calibration run, the package's profile for the default pair."""
     import json
 
-    from cacheclip_rag.calibrate import SHIPPED_PROFILES
+    from cacheclip_rag.profile import SHIPPED_DIR
 
     primary, aux = pair
     engine = CacheClipEngine(primary, aux, tmp_path / "store", EngineConfig())
-    shipped = json.loads((SHIPPED_PROFILES / f"{primary.name}+{aux.name}.json").read_text())["profiles"]
-    assert engine.store.read_profiles() == [] and all(p["source"] == "shipped" for p in engine.profiles)
-    assert [p["lengths"] for p in engine.profiles] == sorted(p["lengths"] for p in shipped)
+    shipped = json.loads((SHIPPED_DIR / f"{primary.name}+{aux.name}.json").read_text())["profiles"]
+    assert engine.store.read_profiles() == [] and all(p.source == "shipped" for p in engine.profiles)
+    assert [list(p.lengths) for p in engine.profiles] == sorted(p["lengths"] for p in shipped)
     for profile in shipped:  # each request length takes the profile calibrated nearest it
         (length,) = profile["lengths"]
         assert engine.select_config(n_tokens=length).score_layers == tuple(profile["aux_layers"])
