@@ -1,10 +1,13 @@
 """Selection quality: budget-keeping, scoring options, the oracle mode, calibration profiles."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig, SelectConfig
 from cacheclip_rag import calibrate as calibrate_mod
+from cacheclip_rag.calibrate import calibrate
 from cacheclip_rag.eval import needle
 from cacheclip_rag.recompute import recompute_rows
 from cacheclip_rag.select import attention_from_rows, keep_budget, pick
@@ -83,10 +86,9 @@ def test_calibration_is_deterministic_and_never_reads_evaluation_seeds(eng, monk
     real = calibrate_mod.generate
     monkeypatch.setattr(calibrate_mod, "generate", lambda v, n, s, t: seen.append(s) or real(v, n, s, t))
     chunks_before = len(eng.store.chunks())
-    a, scores_a = eng.calibrate(lengths=(120,), samples=2, answer_tokens=4)
-    b, scores_b = eng.calibrate(lengths=(120,), samples=2, answer_tokens=4)
-    assert (a["aux_layers"], a["head_agg"], a["row_agg"], a["normalize"], a["context"], a["kl"]) == \
-        (b["aux_layers"], b["head_agg"], b["row_agg"], b["normalize"], b["context"], b["kl"])
+    a, scores_a = calibrate(eng, lengths=(120,), samples=2, answer_tokens=4)
+    b, scores_b = calibrate(eng, lengths=(120,), samples=2, answer_tokens=4)
+    assert a == dataclasses.replace(b, created=a.created) and a.measured["kl"] == b.measured["kl"]
     assert [s.kl for s in scores_a] == [s.kl for s in scores_b]
     assert seen and min(seen) >= calibrate_mod.CALIBRATION_SEED_BASE
     assert len(eng.store.chunks()) == chunks_before  # calibration inputs went to a scratch store
@@ -94,7 +96,7 @@ def test_calibration_is_deterministic_and_never_reads_evaluation_seeds(eng, monk
     assert len(scores_a) == 2 + 1 + 15 and {s.context for s in scores_a} == {"chunk", "joint"}
     assert all(s.kl >= -1e-6 for s in scores_a)
     with pytest.raises(ValueError, match="calibration seeds"):
-        eng.calibrate(seed=5)
+        calibrate(eng, seed=5)
     with pytest.raises(ValueError, match="evaluation seeds"):
         needle.run(None, [("reuse", 0.0)], seed=calibrate_mod.CALIBRATION_SEED_BASE - 1, samples=2)
 
@@ -104,23 +106,23 @@ def test_profile_round_trips_and_is_used_by_default(tiny_pair, tmp_path):
     eng = CacheClipEngine(*tiny_pair, tmp_path, cfg)
     eng.ids = eng.ingest(CORPUS, progress=False)[:4]
     assert eng.score_layers == (-1,)
-    profile, _ = eng.calibrate(lengths=(120,), samples=1, answer_tokens=4)
+    profile, _ = calibrate(eng, lengths=(120,), samples=1, answer_tokens=4)
     assert eng.store.read_profiles(eng.primary.lm.fingerprint, eng.aux.lm.fingerprint) == [profile]
-    assert eng.score_layers == tuple(profile["aux_layers"])
+    assert eng.score_layers == profile.aux_layers
     assert eng.store.read_profiles("other", "pair") == []
-    again = CacheClipEngine(eng.primary.lm, eng.aux.lm, eng.store.root, eng.config)
+    again = CacheClipEngine(eng.primary.lm, eng.aux.lm, eng.store.backend.root, eng.config)
     assert again.profile == profile
     ans = again.answer(Q, chunk_ids=eng.ids, recompute_ratio=0.3, budget="keep", max_new_tokens=1)
     assert abs(ans.effective_fraction - 0.3) <= 8 / ans.context_tokens + 1e-9
     resolved = again.select_config()
     assert (list(resolved.score_layers), resolved.head_agg, resolved.row_agg, resolved.normalize, resolved.context) == \
-        (profile["aux_layers"], profile["head_agg"], profile["row_agg"], profile["normalize"], profile["context"])
-    assert ans.metadata()["score_layers"] == profile["aux_layers"] and ans.metadata()["budget"] == "keep"
+        (list(profile.aux_layers), profile.head_agg, profile.row_agg, profile.normalize, profile.context)
+    assert ans.metadata()["score_layers"] == list(profile.aux_layers) and ans.metadata()["budget"] == "keep"
     # A config value overrides the profile's; a request's layers override both.
-    pinned = CacheClipEngine(eng.primary.lm, eng.aux.lm, eng.store.root,
+    pinned = CacheClipEngine(eng.primary.lm, eng.aux.lm, eng.store.backend.root,
                              EngineConfig(chunk=cfg.chunk, select=SelectConfig(score_layers=(0,), head_agg="max")))
     assert pinned.select_config().score_layers == (0,) and pinned.select_config().head_agg == "max"
-    assert pinned.select_config().row_agg == profile["row_agg"]
+    assert pinned.select_config().row_agg == profile.row_agg
     ans = pinned.answer(Q, chunk_ids=eng.ids, score_layers=[-1], max_new_tokens=1)
     assert ans.score_layers == (-1,)
 
@@ -128,25 +130,25 @@ def test_profile_round_trips_and_is_used_by_default(tiny_pair, tmp_path):
 def test_a_request_takes_the_profile_calibrated_nearest_its_length(tiny_pair, tmp_path):
     """Profiles calibrated at different lengths live side by side; each request scores with the
     one nearest its own token count, and recalibrating a length replaces only that one."""
-    from cacheclip_rag.calibrate import profile_for
+    from cacheclip_rag.profile import Profile, nearest
 
     eng = CacheClipEngine(*tiny_pair, tmp_path, EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4)))
     ids = eng.ingest(CORPUS, progress=False)
     n_few, n_many = (eng.prepare(Q, chunk_ids=ids[:n]).layout.num_tokens for n in (1, len(ids)))
     assert n_many > 2 * n_few
     pair = dict(primary=eng.primary.lm.fingerprint, aux=eng.aux.lm.fingerprint)
-    eng.store.write_profile({**pair, "aux_layers": [1], "lengths": [n_many]})
-    eng.store.write_profile({**pair, "aux_layers": [0], "lengths": [n_few]})
-    eng.store.write_profile({"primary": "other", "aux": "pair", "aux_layers": [1], "lengths": [n_few]})
-    assert [p["aux_layers"] for p in eng.profiles] == [[0], [1]]  # shortest first, other pairs ignored
+    eng.store.write_profile(Profile(**pair, aux_layers=(1,), lengths=(n_many,)))
+    eng.store.write_profile(Profile(**pair, aux_layers=(0,), lengths=(n_few,)))
+    eng.store.write_profile(Profile(primary="other", aux="pair", aux_layers=(1,), lengths=(n_few,)))
+    assert [p.aux_layers for p in eng.profiles] == [(0,), (1,)]  # shortest first, other pairs ignored
     middle = (n_few * n_many) ** 0.5  # nearest by ratio of lengths
-    assert profile_for(eng.profiles, int(middle) - 1)["aux_layers"] == [0]
-    assert profile_for(eng.profiles, int(middle) + 1)["aux_layers"] == [1]
-    assert eng.profile["aux_layers"] == [0] and profile_for([], 100) is None
+    assert nearest(eng.profiles, int(middle) - 1).aux_layers == (0,)
+    assert nearest(eng.profiles, int(middle) + 1).aux_layers == (1,)
+    assert eng.profile.aux_layers == (0,) and nearest([], 100) is None
     assert eng.answer(Q, chunk_ids=ids[:1], max_new_tokens=1).score_layers == (0,)
     assert eng.answer(Q, chunk_ids=ids, max_new_tokens=1).score_layers == (1,)
-    eng.store.write_profile({**pair, "aux_layers": [2], "lengths": [n_many]})
-    assert [p["aux_layers"] for p in eng.profiles] == [[0], [2]]
+    eng.store.write_profile(Profile(**pair, aux_layers=(2,), lengths=(n_many,)))
+    assert [p.aux_layers for p in eng.profiles] == [(0,), (2,)]
 
 
 @pytest.mark.parametrize("bad", [[], [99], ["1"], True, "last"])
@@ -195,9 +197,9 @@ def test_left_at_hard_weighs_only_the_positions_reuse_gets_wrong():
 
 def test_calibration_criterion_is_validated_and_recorded(eng):
     with pytest.raises(ValueError, match="criterion"):
-        eng.calibrate(lengths=(120,), samples=1, criterion="loss")
-    profile, scores = eng.calibrate(lengths=(120,), samples=1, answer_tokens=4, criterion="hard")
-    assert profile["criterion"] == "hard"
+        calibrate(eng, lengths=(120,), samples=1, criterion="loss")
+    profile, scores = calibrate(eng, lengths=(120,), samples=1, answer_tokens=4, criterion="hard")
+    assert profile.measured["criterion"] == "hard"
     layer_scores = [s for s in scores if s.variant == calibrate_mod.DEFAULT_VARIANT]
     assert [s.left_at_hard for s in layer_scores] == sorted(s.left_at_hard for s in layer_scores)
 

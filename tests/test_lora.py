@@ -9,7 +9,7 @@ import torch
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
 from cacheclip_rag import lora
 from cacheclip_rag.cli import main
-from cacheclip_rag.packets import Adapters
+from cacheclip_rag.packets import PacketAdapters
 from cacheclip_rag.train import LoraTrainConfig, examples, kl, train_lora
 
 from conftest import CORPUS, tiny_model
@@ -40,7 +40,7 @@ def test_a_few_steps_lower_the_block_attention_kl(trained):
     student's KL with the LoRA on is below the base model's (LoRA off)."""
     base, peft_model, _, student = trained
     prefix, train_set, _ = examples(base, LoraTrainConfig(**SMALL))
-    plain = Adapters.initial(student, 0, 0)
+    plain = PacketAdapters.initial(student, 0, 0)
     with torch.no_grad():
         tuned = sum(kl(student, plain, prefix, ex).item() for ex in train_set)
         with peft_model.disable_adapter():
@@ -157,32 +157,28 @@ def test_the_shipped_lora_matches_its_pin_and_ships_its_own_profile():
     model is loaded); the tuned pair ships a profile calibrated for it."""
     from types import SimpleNamespace
 
-    from cacheclip_rag.calibrate import shipped_profiles
+    from cacheclip_rag.profile import shipped
 
     (base, (folder, sha)), = lora.SHIPPED.items()
     path = lora.resolve("shipped", SimpleNamespace(name=base))
     assert path.name == folder and lora.files_digest(path) == sha
-    tuned = shipped_profiles(lora.tuned_name(base, sha), "smollm2-135m-instruct")
-    assert [p["source"] for p in tuned] == ["shipped"]  # calibrated for the tuned pair itself
-    assert tuned[0]["primary_name"] == lora.tuned_name(base, sha)
-    assert shipped_profiles(lora.tuned_name(base, "0" * 64), "smollm2-135m-instruct") == []
+    tuned = shipped(lora.tuned_name(base, sha), "smollm2-135m-instruct")
+    assert [p.source for p in tuned] == ["shipped"]  # calibrated for the tuned pair itself
+    assert tuned[0].primary_name == lora.tuned_name(base, sha)
+    assert shipped(lora.tuned_name(base, "0" * 64), "smollm2-135m-instruct") == []
 
 
 def test_a_shipped_tuned_pair_without_its_own_profile_takes_its_base_pairs(tmp_path, monkeypatch):
     """The fallback for a shipped LoRA not yet calibrated: the base pair's profiles, marked so."""
     import shutil
 
-    from cacheclip_rag import calibrate
+    from cacheclip_rag import profile
 
     (base, (_, sha)), = lora.SHIPPED.items()
     name = f"{base}+smollm2-135m-instruct.json"
-    shutil.copy(calibrate.SHIPPED_PROFILES / name, tmp_path / name)  # the base pair's file only
-    monkeypatch.setattr(calibrate, "SHIPPED_PROFILES", tmp_path)
-    calibrate._read_shipped.cache_clear()
-    try:
-        tuned = calibrate.shipped_profiles(lora.tuned_name(base, sha), "smollm2-135m-instruct")
-        base_profiles = calibrate.shipped_profiles(base, "smollm2-135m-instruct")
-    finally:
-        calibrate._read_shipped.cache_clear()
-    assert [p["source"] for p in tuned] == ["shipped for the base primary"] * len(base_profiles)
-    assert [p["aux_layers"] for p in tuned] == [p["aux_layers"] for p in base_profiles]
+    shutil.copy(profile.SHIPPED_DIR / name, tmp_path / name)  # the base pair's file only
+    monkeypatch.setattr(profile, "SHIPPED_DIR", tmp_path)
+    tuned = profile.shipped(lora.tuned_name(base, sha), "smollm2-135m-instruct")
+    base_profiles = profile.shipped(base, "smollm2-135m-instruct")
+    assert [p.source for p in tuned] == ["shipped for the base primary"] * len(base_profiles)
+    assert [p.aux_layers for p in tuned] == [p.aux_layers for p in base_profiles]

@@ -100,7 +100,6 @@ def test_an_aux_selector_that_moves_positions_is_refused(tiny_pair, tmp_path):
 def test_joint_aux_context_runs_through_the_api_and_falls_back_when_too_long(tiny_pair, tmp_path, caplog):
     """aux_context="joint" (per request or in the config) scores with one query pass over every
     chunk; a request longer than the aux model's positions is scored per chunk, logged."""
-    import dataclasses
     import logging
 
     from cacheclip_rag import SelectConfig
@@ -128,4 +127,6 @@ def test_joint_aux_context_runs_through_the_api_and_falls_back_when_too_long(tin
             aux_config.max_position_embeddings = saved
     with pytest.raises(ValueError, match="context must be one of"):
         SelectConfig(context="everything")
-    assert dataclasses.replace(SelectConfig(context="joint")).resolve().context == "joint"
+    from cacheclip_rag.profile import resolve
+
+    assert resolve(SelectConfig(context="joint"), None).context == "joint"

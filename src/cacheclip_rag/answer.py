@@ -17,7 +17,7 @@ import torch
 from .execute import execute
 from .generate import decode
 from .plan import Selector
-from .prepare import Prepared
+from .prepared import Prepared
 
 
 @dataclass
@@ -115,13 +115,10 @@ def run(prepared: Prepared, selector: Selector, pool: Executor | None) -> Iterat
     request.trace.extend(executed.plan.trace)
     request.timings["ttft"] = time.perf_counter() - t0
     t = time.perf_counter()
-    pieces = []
     with torch.inference_mode():
         for _, piece in decode(prepared.primary.lm, executed.step, executed.logits, request.options):
             request.generated += 1
-            pieces.append(piece)
             yield piece
-    request.text = "".join(pieces)
     request.timings["decode"] = time.perf_counter() - t
     request.timings["total"] = time.perf_counter() - t0
 

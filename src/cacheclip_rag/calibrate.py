@@ -29,27 +29,21 @@ layers that find what the primary needs (docs/benchmarks.md); it is reported bes
 from __future__ import annotations
 
 import datetime as _dt
-import functools
-import json
 import logging
-import math
 import statistics
+import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
 
 from .config import AUX_CONTEXTS
+from .engine import CacheClipEngine
+from .profile import Profile
 from .niah import generate
 from .fidelity import Reference, kl_positions, reference
-from .store import profile_length
 from .select import (attention_from_rows, keep_budget, map_tokens, mean_over_layers, normalized, score_chunks_by_layer,
                      joint_positions, score_joint_by_layer, to_chars, top_jaccard, top_positions)
-
-if TYPE_CHECKING:
-    from .engine import CacheClipEngine
 
 log = logging.getLogger(__name__)
 
@@ -63,53 +57,6 @@ HARD_FRACTION = 0.25
 """The answer positions where direct reuse diverges most from full attention, as a share."""
 TOP_SINGLES = 5
 """Runs of adjacent layers are tried around this many of the best single layers."""
-
-
-
-SHIPPED_PROFILES = Path(__file__).parent / "data" / "profiles"
-"""Calibrated profiles shipped with the package, one file per embedded pair: `<primary>+<aux>.json`,
-{"profiles": [...]} with one profile per calibration length (each the "profile" object of
-`cacheclip calibrate --json`)."""
-
-
-def shipped_profiles(primary_name: str, aux_name: str) -> list[dict]:
-    """The package's calibrated profiles for a pair of embedded models, one per calibration
-    length, shortest first (their names pin their weights, so they hold in any dtype; a primary
-    tuned by its shipped LoRA is named by the adapter's hash, `lora.tuned_name`), each marked
-    {"source": "shipped"}; [] for any other pair. A shipped tuned pair with no profile of its own
-    takes its base pair's, marked {"source": "shipped for the base primary"}."""
-    from .lora import SHIPPED as SHIPPED_LORA, tuned_name
-    from .models import EMBEDDED
-
-    tuned = {tuned_name(base, sha): base for base, (_, sha) in SHIPPED_LORA.items()}
-    if (primary_name not in EMBEDDED and primary_name not in tuned) or aux_name not in EMBEDDED:
-        return []
-    own = _read_shipped(f"{primary_name}+{aux_name}.json")
-    if own:
-        return [{**p, "source": "shipped"} for p in own]
-    base = _read_shipped(f"{tuned[primary_name]}+{aux_name}.json") if primary_name in tuned else []
-    return [{**p, "source": "shipped for the base primary"} for p in base]
-
-
-def profile_for(profiles: list[dict], n_tokens: int | None = None) -> dict | None:
-    """The profile calibrated nearest a request of n_tokens (by ratio of lengths: 3K sits between
-    2K and 4K); with no length, the shortest one (the calibration default, 2K, for the default
-    pair); None for no profiles."""
-    if not profiles:
-        return None
-    if n_tokens is None or n_tokens <= 0:
-        return min(profiles, key=profile_length)
-    return min(profiles, key=lambda p: (abs(math.log(n_tokens / profile_length(p))), profile_length(p)))
-
-
-@functools.lru_cache(maxsize=8)
-def _read_shipped(name: str) -> tuple[dict, ...]:
-    """A shipped file: {"profiles": [...]} (one per calibration length), or one profile object."""
-    path = SHIPPED_PROFILES / name
-    if not path.is_file():
-        return ()
-    doc = json.loads(path.read_text())
-    return tuple(sorted(doc.get("profiles", [doc]), key=profile_length))
 
 
 @dataclass
@@ -158,7 +105,21 @@ class _Sample:
     reference_chars: torch.Tensor
 
 
-def calibrate(
+def calibrate(engine: CacheClipEngine, lengths: tuple[int, ...] = (2048,), samples: int = 6,
+              **kwargs) -> tuple[Profile, list[CandidateScore]]:
+    """Calibrate the model pair of `engine` at `lengths` and add the profile to its store
+    (replacing one calibrated at the same lengths); its requests nearest those lengths use it from
+    then on. The generated calibration chunks go to a scratch store, never into the engine's.
+    kwargs: seed, max_run, ratio, answer_tokens, criterion, progress (as `measure_pair`).
+    Returns (profile, candidate scores)."""
+    with tempfile.TemporaryDirectory(prefix="cacheclip-calibrate-") as scratch:
+        with CacheClipEngine(engine.primary.lm, engine.aux.lm, scratch, engine.config) as scratch_engine:
+            profile, scores = measure_pair(scratch_engine, lengths, samples, **kwargs)
+    engine.store.write_profile(profile)
+    return profile, scores
+
+
+def measure_pair(
     engine: CacheClipEngine,
     lengths: tuple[int, ...] = (2048,),
     samples: int = 6,
@@ -168,8 +129,9 @@ def calibrate(
     answer_tokens: int = 64,
     criterion: str = "kl",
     progress: bool = True,
-) -> tuple[dict, list[CandidateScore]]:
-    """Calibrate on `engine` (a scratch one: calibration chunks are ingested into its store).
+) -> tuple[Profile, list[CandidateScore]]:
+    """Measure every scoring candidate on `engine` (a scratch one: calibration chunks are
+    ingested into its store) and return the best as a profile, without storing it.
 
     criterion: "kl" ranks candidates by mean KL(full || reused) over the answer; "hard" by the
     share of direct reuse's divergence they leave at reuse's hardest quarter of answer positions.
@@ -224,16 +186,7 @@ def calibrate(
     baselines = _baselines(engine, data, ratio, seed)
     last = next(c for c in layer_scores if c.layers == (n_aux - 1,))
     by_alignment = max(layer_scores, key=lambda c: (c.jaccard, c.recall))
-    profile = {
-        "primary": engine.primary.lm.fingerprint,
-        "aux": engine.aux.lm.fingerprint,
-        "primary_name": engine.primary.lm.name,
-        "aux_name": engine.aux.lm.name,
-        "aux_layers": list(chosen.layers),
-        "head_agg": chosen.head_agg,
-        "row_agg": chosen.row_agg,
-        "normalize": chosen.normalize,
-        "context": chosen.context,
+    measured = {
         "criterion": criterion,
         "kl": chosen.kl,
         "left_at_hard": chosen.left_at_hard,
@@ -247,10 +200,14 @@ def calibrate(
                               "jaccard": by_alignment.jaccard, "recall": by_alignment.recall},
         "candidates": len(layer_scores) + len(variants),
         "ratio": ratio,
-        "lengths": list(lengths),
         "seeds": seeds,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
+    profile = Profile(
+        primary=engine.primary.lm.fingerprint, aux=engine.aux.lm.fingerprint, aux_layers=chosen.layers,
+        head_agg=chosen.head_agg, row_agg=chosen.row_agg, normalize=chosen.normalize, context=chosen.context,
+        lengths=tuple(lengths), primary_name=engine.primary.lm.name, aux_name=engine.aux.lm.name,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), measured=measured,
+    )
     return profile, layer_scores + sorted(variants, key=rank)
 
 

@@ -6,13 +6,11 @@ request, not a field here: these objects describe how the engine is built.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from .hardware import DTYPES, resolve_device, resolve_dtype
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -88,15 +86,6 @@ class SelectConfig:
                               ("context", AUX_CONTEXTS)):
             if getattr(self, name) not in (*allowed, None):
                 raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
-
-    def resolve(self, profile: dict | None = None) -> SelectConfig:
-        """Every scoring field set: this config's value, else the profile's, else the default."""
-        profile = profile or {}
-        layers = self.score_layers or tuple(profile.get("aux_layers") or ()) or (-1,)
-        pick = lambda name, default: getattr(self, name) or profile.get(name) or default  # noqa: E731
-        return dataclasses.replace(self, score_layers=tuple(layers), head_agg=pick("head_agg", "mean"),
-                                   row_agg=pick("row_agg", "mean"), normalize=pick("normalize", "none"),
-                                   context=pick("context", "chunk"))
 
 
 BUDGETS = ("paper", "keep")
@@ -247,16 +236,12 @@ class ModelConfig:
     def device(self, role: str) -> torch.device:
         """The device of `role` ("primary" or "aux"), "auto" resolved; a CUDA device asked for on
         a machine without one is a ValueError."""
-        from .hardware import resolve_device
-
         if role not in ("primary", "aux"):
             raise ValueError(f"role must be 'primary' or 'aux', got {role!r}")
         return resolve_device(self.primary_device if role == "primary" else self.aux_device)
 
     def torch_dtype(self, flags: frozenset[str] | None = None, device: str | torch.device = "cpu") -> torch.dtype:
         """The compute dtype on `device` ("auto" resolved; flags: CPU flags to use instead of this machine's)."""
-        from .hardware import resolve_dtype
-
         return resolve_dtype(self.dtype, device, flags)
 
 
@@ -289,38 +274,6 @@ class EngineConfig:
             raise ValueError(f"packets must be 'auto', a path to an adapter file, or None, got {self.packets!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return _asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
-        """Build from a nested dict (as written by to_dict); unknown keys are an error."""
-        kwargs: dict[str, Any] = {}
-        known = {f.name: f for f in fields(cls)}
-        for key, value in data.items():
-            if key not in known:
-                raise ValueError(f"unknown config key {key!r}; expected one of {sorted(known)}")
-            sub = _SECTIONS.get(key)
-            kwargs[key] = sub(**value) if sub is not None else value
-        return cls(**kwargs)
-
-
-_SECTIONS = {
-    "chunk": ChunkConfig,
-    "select": SelectConfig,
-    "prompt": PromptConfig,
-    "store": StoreConfig,
-    "model": ModelConfig,
-    "baselines": BaselineConfig,
-    "pipeline": PipelineConfig,
-}
-
-
-def _asdict(obj: Any) -> Any:
-    if is_dataclass(obj):
-        return {f.name: _asdict(getattr(obj, f.name)) for f in fields(obj)}
-    return obj
 
 
 def check_ratio(ratio: float) -> float:

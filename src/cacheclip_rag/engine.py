@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import tempfile
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from . import lora
 from . import models as model_lib
 from . import packets as packet_lib
 from . import plan as plan_lib
+from . import profile as profile_lib
+from . import selectors  # noqa: F401  (registers the built-in methods)
 from .answer import Answer, AnswerStream
 from .caches import ChunkCaches
 from .config import EngineConfig, SelectConfig
@@ -27,6 +29,7 @@ from .index import ChunkIndex
 from .ingest import Ingestor
 from .models import LoadedModel
 from .prepare import Prepared, Preparer
+from .profile import Profile
 from .recognize import ChunkMatcher
 from .store import open_store
 
@@ -87,7 +90,10 @@ class CacheClipEngine:
         config = config or EngineConfig()
         if primary_adapter is not None:
             config = dataclasses.replace(config, model=dataclasses.replace(config.model, primary_adapter=str(primary_adapter)))
-        return cls(model_lib.load(primary, config.model, "primary"), model_lib.load(aux, config.model, "aux"), store_dir, config)
+        primary_lm = model_lib.load(primary, config.model, "primary")
+        if config.model.primary_adapter is not None:
+            primary_lm = lora.apply(primary_lm, config.model.primary_adapter, copy=False)
+        return cls(primary_lm, model_lib.load(aux, config.model, "aux"), store_dir, config)
 
     def close(self) -> None:
         """Stop the aux worker and close the store's connections (the engine is unusable after)."""
@@ -117,21 +123,6 @@ class CacheClipEngine:
         """Heal the store: re-encode every missing or damaged cache from its chunk text, drop
         leftovers of interrupted writes, re-index chunks the index lacks. Returns counts."""
         return self._ingestor.repair(progress=progress)
-
-    def calibrate(self, lengths: tuple[int, ...] = (2048,), samples: int = 6, **kwargs) -> tuple[dict, list]:
-        """Calibrate how the aux model scores tokens for this model pair (cacheclip_rag.calibrate)
-        at `lengths` and add the profile to the store's (replacing one calibrated at the same
-        lengths); requests nearest those lengths use it from now on. The generated calibration chunks go
-        to a scratch store, never into this one. kwargs: seed, max_run, ratio, answer_tokens, criterion,
-        progress (progress bars, default on).
-        Returns (profile, candidate scores)."""
-        from .calibrate import calibrate
-
-        with tempfile.TemporaryDirectory(prefix="cacheclip-calibrate-") as scratch:
-            with CacheClipEngine(self.primary.lm, self.aux.lm, scratch, self.config) as engine:
-                profile, scores = calibrate(engine, lengths, samples, **kwargs)
-        self.store.write_profile(profile)
-        return profile, scores
 
     # ----- online ---------------------------------------------------------------------------
 
@@ -234,29 +225,23 @@ class CacheClipEngine:
         """The selection config a request of n_tokens runs with, every scoring field set:
         `score_layers` and `context` (a request's), else the engine config's fields, else those
         of the calibrated profile nearest n_tokens (read from the store now), else defaults."""
-        cfg = self.config.select.resolve(self.profile_for(n_tokens))
+        cfg = profile_lib.resolve(self.config.select, self.profile_for(n_tokens))
         cfg = dataclasses.replace(cfg, score_layers=score_layers) if score_layers else cfg
         return dataclasses.replace(cfg, context=context) if context else cfg
 
     @property
-    def profiles(self) -> list[dict]:
+    def profiles(self) -> list[Profile]:
         """The calibrated model-pair profiles, one per calibration length, shortest first: the
         store's, if it holds any for these models, else those the package ships for the default
         pair (so a new store is calibrated out of the box)."""
         stored = self.store.read_profiles(self.primary.lm.fingerprint, self.aux.lm.fingerprint)
-        if stored:
-            return stored
-        from .calibrate import shipped_profiles
+        return stored or profile_lib.shipped(self.primary.lm.name, self.aux.lm.name)
 
-        return shipped_profiles(self.primary.lm.name, self.aux.lm.name)
-
-    def profile_for(self, n_tokens: int | None = None) -> dict | None:
+    def profile_for(self, n_tokens: int | None = None) -> Profile | None:
         """The profile a request of n_tokens uses (calibrated nearest its length), or None."""
-        from .calibrate import profile_for
-
-        return profile_for(self.profiles, n_tokens)
+        return profile_lib.nearest(self.profiles, n_tokens)
 
     @property
-    def profile(self) -> dict | None:
+    def profile(self) -> Profile | None:
         """The profile at the shortest calibrated length (`profile_for` picks by length)."""
         return self.profile_for(None)

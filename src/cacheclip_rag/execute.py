@@ -19,7 +19,7 @@ from .assemble import write_prefix
 from .generate import Step, hf_step
 from .pipeline import LayerFeeder
 from .plan import Plan, Selector
-from .prepare import Prepared
+from .prepared import Prepared
 from .recompute import AssembledCache, ApeSpec, recompute_rows
 
 
@@ -125,7 +125,7 @@ def _recompute(prepared: Prepared, plan: Plan, cache: AssembledCache, feeder: La
     timings["assemble"] = feeder.busy  # loading + re-rotation per layer, overlapped when pipelined
     timings["load_wait"] = feeder.waited
     timings["recompute"] = time.perf_counter() - t - feeder.waited
-    timings["prepare"] = time.perf_counter() - start
+    timings["cache"] = time.perf_counter() - start  # the request's cache built: load + assemble + recompute
     return Executed(result.logits, own_step(prepared, cache, positions, plan.ape), result.rows, plan)
 
 

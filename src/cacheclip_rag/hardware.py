@@ -15,6 +15,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+"""The dtype names a config may give (besides "auto")."""
+
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 """x86 CPU flags (as /proc/cpuinfo spells them) that mean native bf16 arithmetic."""
 
@@ -58,8 +61,6 @@ def resolve_device(name: str, cuda_available: bool | None = None) -> torch.devic
 def resolve_dtype(name: str, device: str | torch.device = "cpu", flags: frozenset[str] | None = None) -> torch.dtype:
     """The compute dtype for a configured name: "auto" is bf16 where native (see `native_bf16`),
     float32 elsewhere; any other name is taken as given."""
-    from .config import DTYPES
-
     if name != "auto":
         return DTYPES[name]
     native = native_bf16(device, flags)

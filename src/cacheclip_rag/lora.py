@@ -1,4 +1,5 @@
-"""Concatenation-aware LoRA for the primary model (issue 16; `shared/papers/finetune-plus-recompute-paper.md`).
+"""Concatenation-aware LoRA for the primary model ("Fine-Tuning a KV Cache Concatenation-Aware Model or
+Recomputing KV Caches? Why Not Both?", Tachibana, Miyashita and Deguchi).
 
 The fine-tune-plus-recompute paper tunes the model so that chunks encoded without seeing each
 other still read well when concatenated (Block-attention's training), then recomputes a few
@@ -30,7 +31,7 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 META = "cacheclip.json"
 KIND = "cacheclip-concat-lora"
-SHIPPED_DIR = Path(__file__).parent / "adapters"
+SHIPPED_DIR = Path(__file__).parent / "data" / "lora"
 SHIPPED: dict[str, tuple[str, str]] = {
     # `cacheclip train lora --out DIR --samples 96 --held-out 6 --epochs 1 --batch 2 --length 768
     # --chunk-tokens 256 --lr 4e-4` (float32, 2,876 s on 2 AVX2 cores): held-out block-attention KL

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
+from .paths import cache_dir
 from .families import Family, for_model
 
 log = logging.getLogger(__name__)
@@ -91,15 +92,6 @@ EMBEDDED: dict[str, EmbeddedModel] = {
 }
 """Models that install from PyPI: the default pair, and Gemma 3 270M (base, not instruction
 tuned; a second family with sliding-window layers and two RoPE thetas)."""
-
-
-def cache_dir() -> Path:
-    """Where converted models live: $CACHECLIP_CACHE_DIR, else $XDG_CACHE_HOME/cacheclip-rag."""
-    explicit = os.environ.get("CACHECLIP_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "cacheclip-rag"
 
 
 @dataclass
@@ -257,10 +249,6 @@ def load(name: str, cfg: ModelConfig | None = None, role: str = "primary") -> Lo
     model.to(device).eval()
     loaded = LoadedModel(name=name, model=model, tokenizer=tokenizer, fingerprint=weights_fingerprint(model))
     log.info("loaded %s as %s (%s, %s, %s)", name, role, model.config.model_type, str(dtype).removeprefix("torch."), device)
-    if role == "primary" and cfg.primary_adapter is not None:
-        from .lora import apply
-
-        loaded = apply(loaded, cfg.primary_adapter, copy=False)
     return loaded
 
 

@@ -5,21 +5,20 @@ separators, are always recomputed), and any change to attention the method makes
 method is one `Selector` in one registry, keyed by its mode name; the API, the CLI and the
 benches list modes from this registry, so a new method is one file that calls `register`.
 
-Built-in selectors live in `cacheclip_rag.selectors` (registered on import of the package);
+Built-in selectors live in `cacheclip_rag.selectors`, one file each, and register when that
+package is imported (the engine imports it, so `import cacheclip_rag` registers them);
 analysis-only ones (the attention oracle) register from `cacheclip_rag.eval`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
+from .prepared import Prepared
 from .recompute import ApeSpec, BlendSpec
-
-if TYPE_CHECKING:
-    from .prepare import Prepared
 
 
 @dataclass(frozen=True)
@@ -105,19 +104,12 @@ def unregister(name: str) -> None:
 
 def modes() -> tuple[str, ...]:
     """Every registered mode name, built-ins first, in registration order."""
-    _load_builtins()
     return tuple(_REGISTRY)
 
 
 def get(name: str) -> Selector:
     """The selector of a mode; a ValueError naming the registered modes for an unknown one."""
-    _load_builtins()
     selector = _REGISTRY.get(name) if isinstance(name, str) else None
     if selector is None:
         raise ValueError(f"mode must be one of {list(_REGISTRY)}, got {name!r}")
     return selector
-
-
-def _load_builtins() -> None:
-    from . import selectors  # noqa: F401  (registers the built-in selectors on first import)
-

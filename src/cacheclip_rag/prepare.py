@@ -2,18 +2,14 @@
 
 `Preparer` turns what a caller gives (a question and chunk ids or none, or a prompt that already
 holds chunk texts) into a validated `Request` and the primary model's token layout. The result,
-`Prepared`, is what every later stage reads: selectors plan from it, the executor assembles and
-recomputes from it, and analysis code (calibration, benches) gets the same caches and aux query
-from it that serving uses, through public methods only.
+`Prepared` (prepared.py), is what every later stage reads. The mode names a registered selector
+(`plan.get`); an unknown one is a ValueError here, before anything runs.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-
-import torch
 
 from . import packets as packet_lib
 from . import plan
@@ -21,68 +17,13 @@ from .assemble import Layout, build_layout
 from .caches import ChunkCaches
 from .config import EngineConfig, SelectConfig
 from .encode import chat_frame, tokenize
+from .prepared import Prepared
 from .recognize import ChunkMatcher
 from .request import Request, RequestOptions, chat_pieces, check_text, prompt_pieces, question_pieces
 from .select import scoring_layers
-from .store import ChunkKV, KVStore
+from .store import KVStore
 
 log = logging.getLogger(__name__)
-
-MAX_AUX_QUERY_TOKENS = 256
-"""The aux query is the question's last tokens at most (its attention rows score the chunks)."""
-
-
-@dataclass
-class Prepared:
-    """A validated request with its primary-model layout and access to both models' caches.
-
-    request: per-request state (options, pieces, timings). layout: the primary token sequence
-    [N] with its segments. primary, aux: the two models' caches (for a packet mode, `primary`
-    holds the packet caches and the layout their soft rows). config: the engine's settings
-    (baseline modes, pipeline switches, attention backend).
-    """
-
-    request: Request
-    layout: Layout
-    primary: ChunkCaches
-    aux: ChunkCaches
-    config: EngineConfig
-
-    @property
-    def chunk_segments(self):
-        return self.layout.chunk_segments()
-
-    def embed(self):
-        """ids [M] -> input rows [M, hidden] for recompute: None (the model's embedding) unless
-        the request runs on packets, whose soft rows embed as the adapter vectors."""
-        adapters = self.primary.adapters
-        if adapters is None:
-            return None
-        return lambda ids: packet_lib.embed(self.primary.lm, adapters, ids)
-
-    def chunk_kvs(self) -> dict[str, ChunkKV]:
-        """chunk id -> the primary's whole cache of each chunk in the request."""
-        return {seg.chunk_id: self.primary.get(seg.chunk_id, seg.text) for seg in self.chunk_segments}
-
-    def prefix_kv(self) -> ChunkKV:
-        return self.primary.prefix()
-
-    def aux_kvs(self, layers: int | None = None) -> list[ChunkKV]:
-        """The aux model's cache of each chunk, in request order; with `layers`, only the first
-        that many layers (read from the store no further)."""
-        if layers is None:
-            return [self.aux.get(seg.chunk_id, seg.text) for seg in self.chunk_segments]
-        return [self.aux.get_layers(seg.chunk_id, seg.text, layers) for seg in self.chunk_segments]
-
-    def aux_prefix_kv(self) -> ChunkKV:
-        return self.aux.prefix()
-
-    def aux_query_ids(self) -> torch.Tensor:
-        """[Q] aux tokens of the query rows: the question, then the assistant turn's opening."""
-        lm = self.aux.lm
-        ids = torch.cat([tokenize(lm, self.request.aux_query)[0], tokenize(lm, self.aux.template.suffix, True)[0]])
-        return ids[-MAX_AUX_QUERY_TOKENS:]
-
 
 class Preparer:
     """Builds `Prepared` requests; holds only long-lived, read-only things (store, matcher, caches).
@@ -178,7 +119,7 @@ class Preparer:
             scoring_layers(self.aux.lm, opts.score_layers)  # range check against the aux model
         request = Request.of(opts, None, chunk_ids, pieces, aux_query)
         primary = self.primary
-        if plan.get(opts.mode).packets:
+        if plan.get(opts.mode).packets:  # also the check that the mode is registered
             if self.packets is None:
                 raise ValueError(f"mode {opts.mode!r} needs KV Packet adapters for {primary.lm.name!r}: none ship for "
                                  "it; train them with `cacheclip train packet --out FILE` and set EngineConfig.packets")

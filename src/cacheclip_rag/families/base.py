@@ -108,7 +108,7 @@ class Family:
     def finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual and MLP block (pre-norm). attn_out [B, H, M, D] -> h."""
         block = self.layers[layer]
-        h = h + block.self_attn.o_proj(_merge_heads(attn_out))
+        h = h + block.self_attn.o_proj(merge_heads(attn_out))
         return h + block.mlp(block.post_attention_layernorm(h))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -134,7 +134,7 @@ class Family:
         return self.base(input_ids=input_ids.reshape(1, -1).to(dev), position_ids=pos, cache=DynamicCache(), use_cache=True)
 
 
-def _merge_heads(x: torch.Tensor) -> torch.Tensor:
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
     """[B, H, M, D] -> [B, M, H * D]."""
     b, _, m, _ = x.shape
     return x.transpose(1, 2).reshape(b, m, -1)

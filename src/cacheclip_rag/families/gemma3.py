@@ -12,7 +12,7 @@
 
 import torch
 
-from .base import Family, Rope, _merge_heads
+from .base import Family, Rope, merge_heads
 
 
 class Gemma3(Family):
@@ -27,5 +27,5 @@ class Gemma3(Family):
 
     def finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         block = self.layers[layer]
-        h = h + block.post_attention_layernorm(block.self_attn.o_proj(_merge_heads(attn_out)))
+        h = h + block.post_attention_layernorm(block.self_attn.o_proj(merge_heads(attn_out)))
         return h + block.post_feedforward_layernorm(block.mlp(block.pre_feedforward_layernorm(h)))

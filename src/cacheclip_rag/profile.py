@@ -1,0 +1,195 @@
+"""The calibrated selection profile of a model pair: which aux layers score tokens, and how.
+
+`cacheclip calibrate` measures it offline (`calibrate.py`); the store keeps one per model pair and
+calibration length; the package ships them for the default pair. At request time the engine
+takes the profile calibrated nearest the request's length (`nearest`) and fills the selection
+settings the engine config leaves open from it (`resolve`). This module is the one place that
+reads, validates, chooses and applies profiles; it knows neither the engine nor calibration.
+
+On disk (store document "profile", shipped files) a profile is a flat JSON object: the fields of
+`Profile`, plus what calibration measured (`Profile.measured`: criterion, KL, baselines, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from . import lora
+from .config import AUX_CONTEXTS, SelectConfig
+from .models import EMBEDDED
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LENGTH = 2048
+"""The length a profile that names none counts as (calibration's default)."""
+
+SHIPPED_DIR = Path(__file__).parent / "data" / "profiles"
+"""Profiles shipped with the package, one file per embedded pair, `<primary>+<aux>.json`:
+{"profiles": [...]}, one per calibration length (each the "profile" of `cacheclip calibrate --json`)."""
+
+_CHOICES = {"head_agg": ("mean", "max"), "row_agg": ("mean", "max"), "normalize": ("none", "chunk"),
+            "context": AUX_CONTEXTS}
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How the aux model of one pair scores tokens, as calibrated at some request lengths.
+
+    primary, aux: the weights fingerprints of the pair it was calibrated for.
+    aux_layers: the aux layers whose query-to-chunk attention is averaged.
+    head_agg, row_agg, normalize, context: as `SelectConfig`'s fields of those names.
+    lengths: the request lengths (tokens) of the calibration inputs.
+    source: "store", "shipped", or "shipped for the base primary" (a tuned primary's fallback).
+    measured: what calibration measured (criterion, kl, baselines, ...), for reports only.
+    """
+
+    primary: str
+    aux: str
+    aux_layers: tuple[int, ...]
+    head_agg: str = "mean"
+    row_agg: str = "mean"
+    normalize: str = "none"
+    context: str = "chunk"
+    lengths: tuple[int, ...] = (DEFAULT_LENGTH,)
+    primary_name: str = ""
+    aux_name: str = ""
+    created: str = ""
+    source: str = "store"
+    measured: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("primary", "aux"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"profile {name} must be a weights fingerprint (a non-empty string), "
+                                 f"got {getattr(self, name)!r}")
+        object.__setattr__(self, "aux_layers", _int_tuple("aux_layers", self.aux_layers, minimum=None))
+        object.__setattr__(self, "lengths", _int_tuple("lengths", self.lengths, minimum=1))
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"profile {name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
+        object.__setattr__(self, "measured", MappingProxyType(dict(self.measured)))
+
+    @property
+    def length(self) -> float:
+        """The length it was calibrated at: the geometric mean of its lengths."""
+        return math.exp(sum(math.log(n) for n in self.lengths) / len(self.lengths))
+
+    @property
+    def key(self) -> tuple:
+        """What identifies it in a store: the pair and the calibration lengths."""
+        return self.primary, self.aux, tuple(sorted(self.lengths))
+
+    def describe(self) -> str:
+        """One line of its settings, for the CLI."""
+        return (f"aux layers {list(self.aux_layers)}, heads {self.head_agg}, rows {self.row_agg}, "
+                f"normalize {self.normalize}, context {self.context}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str | None = None) -> Profile:
+        """A profile from its JSON object; a ValueError naming the first bad field."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a profile must be a JSON object, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)} - {"measured"}
+        known = {k: v for k, v in data.items() if k in names}
+        missing = [name for name in ("primary", "aux", "aux_layers") if name not in known]
+        if missing:
+            raise ValueError(f"a profile needs {missing}; got the fields {sorted(data)}")
+        if source is not None:
+            known["source"] = source
+        measured = {k: v for k, v in data.items() if k not in names}
+        return cls(**known, measured=measured)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The flat JSON object it is stored as (`from_dict` reads it back)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "measured"}
+        out.update(aux_layers=list(self.aux_layers), lengths=list(self.lengths))
+        return {**dict(self.measured), **out}
+
+
+def _int_tuple(name: str, value, minimum: int | None) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not value or any(
+            not isinstance(x, int) or isinstance(x, bool) or (minimum is not None and x < minimum) for x in value):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise ValueError(f"profile {name} must be a non-empty list of integers{bound}, got {value!r}")
+    return tuple(value)
+
+
+def parse(doc: Any, source: str | None = None) -> list[Profile]:
+    """The profiles of a stored document, shortest calibration length first: {"profiles": [...]},
+    or one profile object (stores written before profiles were kept per length). A profile that
+    does not validate is skipped with a warning (it was written by another version, or damaged)."""
+    if doc is None:
+        return []
+    items = doc.get("profiles", [doc]) if isinstance(doc, Mapping) else []
+    out = []
+    for item in items if isinstance(items, list) else []:
+        try:
+            out.append(Profile.from_dict(item, source))
+        except (ValueError, TypeError) as err:
+            log.warning("skipping an invalid selection profile: %s", err)
+    return sorted(out, key=lambda p: p.length)
+
+
+def document(profiles: Iterable[Profile]) -> dict:
+    """The stored document of `profiles` (shortest first): {"profiles": [...]}."""
+    return {"profiles": [p.to_dict() for p in sorted(profiles, key=lambda p: p.length)]}
+
+
+def merged(profiles: Iterable[Profile], new: Profile) -> list[Profile]:
+    """`profiles` with `new` added: one for the same pair at the same lengths is replaced, those
+    at other lengths are kept (requests take the one nearest their length)."""
+    return sorted([*(p for p in profiles if p.key != new.key), new], key=lambda p: p.length)
+
+
+def nearest(profiles: Iterable[Profile], n_tokens: int | None = None) -> Profile | None:
+    """The profile calibrated nearest a request of n_tokens, by ratio of lengths (3K sits between
+    2K and 4K); with no length, the shortest one; None for no profiles."""
+    profiles = list(profiles)
+    if not profiles:
+        return None
+    if n_tokens is None or n_tokens <= 0:
+        return min(profiles, key=lambda p: p.length)
+    return min(profiles, key=lambda p: (abs(math.log(n_tokens / p.length)), p.length))
+
+
+def resolve(cfg: SelectConfig, profile: Profile | None) -> SelectConfig:
+    """`cfg` with every scoring field set: its own value, else the profile's, else the default
+    (last layer, "mean", "mean", "none", "chunk")."""
+    def pick(name: str, default: str) -> str:
+        return getattr(cfg, name) or (getattr(profile, name) if profile else None) or default
+
+    layers = cfg.score_layers or (profile.aux_layers if profile else None) or (-1,)
+    return dataclasses.replace(cfg, score_layers=tuple(layers), head_agg=pick("head_agg", "mean"),
+                               row_agg=pick("row_agg", "mean"), normalize=pick("normalize", "none"),
+                               context=pick("context", "chunk"))
+
+
+def shipped(primary_name: str, aux_name: str) -> list[Profile]:
+    """The package's profiles for a pair of embedded models, shortest first, marked
+    source="shipped"; [] for any other pair. Embedded names pin their weights, so these hold in
+    any dtype. A primary tuned by its shipped LoRA (named by `lora.tuned_name`) with no profile of
+    its own takes its base pair's, marked "shipped for the base primary"."""
+    tuned = {lora.tuned_name(base, sha): base for base, (_, sha) in lora.SHIPPED.items()}
+    if (primary_name not in EMBEDDED and primary_name not in tuned) or aux_name not in EMBEDDED:
+        return []
+    own = _read_shipped(SHIPPED_DIR, f"{primary_name}+{aux_name}.json")
+    if own:
+        return parse(own, "shipped")
+    if primary_name in tuned:
+        return parse(_read_shipped(SHIPPED_DIR, f"{tuned[primary_name]}+{aux_name}.json"), "shipped for the base primary")
+    return []
+
+
+@functools.lru_cache(maxsize=8)
+def _read_shipped(folder: Path, name: str) -> dict | None:
+    path = folder / name
+    return json.loads(path.read_text()) if path.is_file() else None
