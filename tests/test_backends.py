@@ -14,6 +14,7 @@ import torch
 
 from cacheclip_rag.backends import StoreUnavailableError, open_backend
 from cacheclip_rag.chunking import Chunk
+from cacheclip_rag.profile import Profile
 from cacheclip_rag.store import KVStore
 
 from test_store import NS, _equal, _kv
@@ -81,7 +82,7 @@ def test_damage_is_detected_removed_and_reported_missing(store):
 
 
 def test_damage_found_while_loading_layers(store):
-    from cacheclip_rag.store import DamagedCacheError
+    from cacheclip_rag.record import DamagedCacheError
 
     store.put_kv(NS, "c1", _kv())
     store.clear_memory()
@@ -96,17 +97,17 @@ def _put_with_sums(store: KVStore, key: str, kv, algorithm: str | None) -> None:
     """A record as `put_kv` writes it, but carrying `algorithm`'s checksums (None: none at all)."""
     import json
 
-    from cacheclip_rag import store as store_mod
+    from cacheclip_rag import record
 
     tensors = {name: t.contiguous() for name, t in kv.tensors().items()}
     meta = {"format": "1", "key": key, "namespace": NS, "start_pos": str(kv.start_pos), "num_layers": str(len(kv.keys))}
     if algorithm is not None:
-        meta[algorithm] = json.dumps({n: store_mod._tensor_sum(n, t, algorithm) for n, t in tensors.items()})
+        meta[algorithm] = json.dumps({n: record.tensor_sum(n, t, algorithm) for n, t in tensors.items()})
     store.backend.put(NS, key, tensors, meta)
 
 
 def test_caches_written_with_sha256_sums_still_read_and_their_damage_is_still_found(store):
-    from cacheclip_rag.store import CHECKSUM
+    from cacheclip_rag.record import CHECKSUM
 
     assert CHECKSUM == "xxh3_128"
     _put_with_sums(store, "old", _kv(seed=4), "sha256")  # a store written before XXH3
@@ -166,8 +167,8 @@ def test_texts_documents_and_delete(store):
     store.bind_models({"primary": "p1", "aux": "a1"})
     with pytest.raises(ValueError, match="different primary model"):
         store.bind_models({"primary": "p2", "aux": "a1"})
-    store.write_profile({"primary": "p1", "aux": "a1", "aux_layers": [3]})
-    assert store.read_profiles("p1", "a1")[0]["aux_layers"] == [3] and store.read_profiles("p9", "a1") == []
+    store.write_profile(Profile(primary="p1", aux="a1", aux_layers=(3,)))
+    assert store.read_profiles("p1", "a1")[0].aux_layers == (3,) and store.read_profiles("p9", "a1") == []
     store.put_kv(NS, "id-1", _kv())
     store.discard(NS, "id-1", "test")
     assert store.get_kv(NS, "id-1") is None
@@ -177,8 +178,26 @@ def test_texts_documents_and_delete(store):
 def test_a_store_is_named_by_a_path_or_a_url(tmp_path):
     assert type(open_backend(tmp_path).__class__) and open_backend(str(tmp_path)).location == str(tmp_path)
     assert type(open_backend("memory://x")).__name__ == "MemoryBackend"
-    with pytest.raises(ValueError, match="unknown URL scheme 'ftp'"):
+    with pytest.raises(ValueError, match=r"unknown URL scheme 'ftp'.*'memory://', 'redis://'"):
         open_backend("ftp://host/x")
+
+
+def test_a_backend_registers_its_scheme_and_the_store_opens_it_by_url(tmp_path):
+    """The seam: a backend module registers an opener; `KVStore` opens its URLs without naming it."""
+    from cacheclip_rag.backends import register, schemes, unregister
+    from cacheclip_rag.backends.memory import MemoryBackend
+
+    opened = []
+    register("scratch", lambda url: opened.append(url) or MemoryBackend(url))
+    try:
+        store = KVStore("scratch://one")
+        assert opened == ["scratch://one"] and store.location == "scratch://one" and "scratch" in schemes()
+        store.put_chunk(Chunk("id-1", "text", "doc", 0, 4))
+        assert store.get_chunk("id-1").text == "text"
+    finally:
+        unregister("scratch")
+    with pytest.raises(ValueError, match="scheme"):
+        register("Bad Scheme", MemoryBackend)
 
 
 @pytest.mark.parametrize("url, match", [

@@ -82,7 +82,7 @@ def test_generate_reuses_chunks_found_in_the_prompt(engine):
 def test_damaged_cache_is_rebuilt_from_text(engine):
     ids = engine.ids[:2]
     before = engine.answer(QUESTION, chunk_ids=ids, max_new_tokens=6)
-    path = engine.store.kv_path(engine.primary.namespace, ids[0])
+    path = engine.store.backend.kv_path(engine.primary.namespace, ids[0])
     data = bytearray(path.read_bytes())
     data[-20] ^= 0x55
     path.write_bytes(bytes(data))
@@ -95,7 +95,7 @@ def test_damaged_cache_is_rebuilt_from_text(engine):
 def test_store_for_another_model_is_refused(engine, tiny_tokenizer):
     other = tiny_model("qwen2", tiny_tokenizer, seed=99)
     with pytest.raises(ValueError, match="different primary model"):
-        CacheClipEngine(other, engine.aux.lm, engine.store.root, engine.config)
+        CacheClipEngine(other, engine.aux.lm, engine.store.backend.root, engine.config)
 
 
 @pytest.mark.parametrize(
@@ -171,7 +171,7 @@ def test_ingest_without_splitting_keeps_texts_verbatim(engine):
 
 
 def test_reopening_heals_a_lost_index(engine, tiny_pair):
-    root = engine.store.root
+    root = engine.store.backend.root
     for f in (root / "index").iterdir():
         f.unlink()
     reopened = CacheClipEngine(*tiny_pair, root, engine.config)

@@ -7,7 +7,7 @@ from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
 from cacheclip_rag.config import StoreConfig
 from cacheclip_rag import packets as packet_lib
 from cacheclip_rag.execute import execute
-from cacheclip_rag.packets import Adapters
+from cacheclip_rag.packets import PacketAdapters
 from cacheclip_rag.plan import get
 from cacheclip_rag.train import TrainConfig, save_adapters
 
@@ -20,7 +20,7 @@ QUESTION = "what is the code in the kitchen drawer?"
 def adapter_file(tiny_pair, tmp_path_factory):
     primary, _ = tiny_pair
     path = tmp_path_factory.mktemp("adapters") / "tiny.safetensors"
-    save_adapters(path, Adapters.initial(primary, 3, 2, seed=4), primary, TrainConfig(), [])
+    save_adapters(path, PacketAdapters.initial(primary, 3, 2, seed=4), primary, TrainConfig(), [])
     return path
 
 
@@ -86,7 +86,7 @@ def test_packet_and_plain_namespaces_never_serve_each_other(eng):
 def test_damaged_packet_cache_is_rebuilt_not_used(eng):
     cid = eng.ids[0]
     _, before = _logits(eng, "packet", ids=[cid])
-    path = eng.store.kv_path(eng.packets.namespace, cid)
+    path = eng.store.backend.kv_path(eng.packets.namespace, cid)
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF
     path.write_bytes(bytes(data))

@@ -6,7 +6,7 @@ from transformers import DynamicCache
 
 from cacheclip_rag.assemble import rerotate
 from cacheclip_rag.encode import encode_prefix, tokenize
-from cacheclip_rag.packets import SOFT_TOKEN, Adapters, packet_cache, student_logits
+from cacheclip_rag.packets import SOFT_TOKEN, PacketAdapters, packet_cache, student_logits
 from cacheclip_rag.recompute import AssembledCache, recompute_rows
 
 from conftest import CORPUS
@@ -29,7 +29,7 @@ def test_parallel_form_equals_sequential_packet_caches(tiny_lm):
     then the tail recomputed == the one-pass parallel form with the block-diagonal mask."""
     _windowless(tiny_lm)
     lm = tiny_lm
-    adapters = Adapters.initial(lm, 3, 2, seed=1)
+    adapters = PacketAdapters.initial(lm, 3, 2, seed=1)
     prefix, docs, tail = _inputs(lm)
     packets = [packet_cache(lm, adapters, prefix.token_ids, ids, off) for ids, off in docs]
     assert packets[0].token_ids[0] == SOFT_TOKEN and packets[0].num_tokens == docs[0][0].numel() + 5
@@ -64,7 +64,7 @@ def test_a_few_training_steps_lower_the_kl(tiny_lm):
         teacher = lm.model(input_ids=full[None], cache=DynamicCache()).logits[0, -tail.numel():].float().log_softmax(-1)
     teacher = teacher.clone()
     torch.manual_seed(0)
-    adapters = Adapters.initial(lm, 4, 4, seed=2)
+    adapters = PacketAdapters.initial(lm, 4, 4, seed=2)
     adapters.header.requires_grad_(True)
     adapters.trailer.requires_grad_(True)
     opt = torch.optim.Adam([adapters.header, adapters.trailer], lr=0.005)
@@ -77,9 +77,9 @@ def test_a_few_training_steps_lower_the_kl(tiny_lm):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0], losses
-    assert Adapters(adapters.header.detach(), adapters.trailer).digest() != Adapters.initial(lm, 4, 4, seed=2).digest()
+    assert PacketAdapters(adapters.header.detach(), adapters.trailer).digest() != PacketAdapters.initial(lm, 4, 4, seed=2).digest()
 
 
 def test_adapter_sizes_are_checked(tiny_lm):
     with pytest.raises(ValueError, match="n_header"):
-        Adapters.initial(tiny_lm, n_header=-1)
+        PacketAdapters.initial(tiny_lm, n_header=-1)

@@ -62,7 +62,7 @@ def test_overlap_and_pipelining_never_change_the_answer(eng, mode):
     for overlap in (True, False, "auto"):
         for layerwise in (True, False):
             cfg = dataclasses.replace(eng.config, pipeline=PipelineConfig(overlap, layerwise))
-            with CacheClipEngine(eng.primary.lm, eng.aux.lm, eng.store.root, cfg) as other:
+            with CacheClipEngine(eng.primary.lm, eng.aux.lm, eng.store.backend.root, cfg) as other:
                 assert other.config.pipeline == PipelineConfig(overlap, layerwise)
                 other.store.clear_memory()  # cold: readers on the layer-wise path
                 ans = other.answer(Q, chunk_ids=eng.ids, mode=mode, recompute_ratio=0.4, max_new_tokens=6)

@@ -53,12 +53,12 @@ def eng(tiny_pair, tmp_path):
 def test_missing_cache_file_is_rebuilt(eng):
     ids = eng.ids[:3]
     before = eng.answer(Q, chunk_ids=ids, max_new_tokens=4)
-    eng.store.kv_path(eng.primary.namespace, ids[1]).unlink()
-    eng.store.kv_path(eng.aux.namespace, ids[2]).unlink()
+    eng.store.backend.kv_path(eng.primary.namespace, ids[1]).unlink()
+    eng.store.backend.kv_path(eng.aux.namespace, ids[2]).unlink()
     eng.store.clear_memory()
     assert eng.answer(Q, chunk_ids=ids, max_new_tokens=4).text == before.text
-    assert eng.store.kv_path(eng.primary.namespace, ids[1]).exists()
-    assert eng.store.kv_path(eng.aux.namespace, ids[2]).exists()
+    assert eng.store.backend.kv_path(eng.primary.namespace, ids[1]).exists()
+    assert eng.store.backend.kv_path(eng.aux.namespace, ids[2]).exists()
 
 
 def test_stale_index_entry_is_skipped(eng):
@@ -83,7 +83,7 @@ def test_crash_mid_ingest_then_resume_without_duplicates(tiny_pair, tmp_path, mo
     monkeypatch.setattr(caches_mod, "encode_segment", dying)
     with pytest.raises(KeyboardInterrupt):
         eng.ingest(CORPUS, progress=False)
-    (eng.store.root / "kv" / eng.primary.namespace / ".tmp-leftover").write_bytes(b"half a file")
+    (eng.store.backend.root / "kv" / eng.primary.namespace / ".tmp-leftover").write_bytes(b"half a file")
     monkeypatch.setattr(caches_mod, "encode_segment", real)
 
     reopened = CacheClipEngine(*tiny_pair, tmp_path / "s", cfg)  # heals the index on open
@@ -98,14 +98,14 @@ def test_crash_mid_ingest_then_resume_without_duplicates(tiny_pair, tmp_path, mo
 
 
 def test_verify_and_repair_from_the_command_line(eng, tiny_pair, capsys, monkeypatch):
-    path = eng.store.kv_path(eng.primary.namespace, eng.ids[0])
+    path = eng.store.backend.kv_path(eng.primary.namespace, eng.ids[0])
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF
     path.write_bytes(bytes(data))
-    store = str(eng.store.root)
+    store = str(eng.store.backend.root)
     assert cli_main(["store", "verify", "--store", store]) == 1
     assert "1 damaged" in capsys.readouterr().out
-    monkeypatch.setattr("cacheclip_rag.cli._engine", lambda args: CacheClipEngine(*tiny_pair, store, eng.config))
+    monkeypatch.setattr("cacheclip_rag.cli.stores.engine_from_args", lambda args: CacheClipEngine(*tiny_pair, store, eng.config))
     assert cli_main(["store", "repair", "--store", store, "--quiet"]) == 0
     assert cli_main(["store", "verify", "--store", store]) == 0
     assert cli_main(["store", "stats", "--store", store]) == 0
@@ -119,14 +119,14 @@ def test_failed_write_raises_and_keeps_the_store(eng, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(files_backend, "save_file", disk_full)
-    before = sorted(p.name for p in eng.store.root.rglob("*"))
+    before = sorted(p.name for p in eng.store.backend.root.rglob("*"))
     with pytest.raises(OSError, match="No space"):
         eng.ingest(["A brand new document that needs caches."], progress=False)
     monkeypatch.undo()
-    assert not list(eng.store.root.rglob(".tmp-*"))
+    assert not list(eng.store.backend.root.rglob(".tmp-*"))
     assert eng.store.verify()["damaged"] == []
     assert len(eng.answer(Q, chunk_ids=eng.ids[:2], max_new_tokens=2).chunk_ids) == 2
-    assert set(before) <= {p.name for p in eng.store.root.rglob("*")}
+    assert set(before) <= {p.name for p in eng.store.backend.root.rglob("*")}
 
 
 def test_documents_cannot_forge_template_tokens(eng):
@@ -207,7 +207,7 @@ def test_reading_the_first_layers_only(eng):
     eng.store.clear_memory()
     part = eng.aux.get_layers(cid, None, 1)
     assert len(part.keys) == 1 and torch.equal(part.keys[0], whole.keys[0]) and torch.equal(part.values[0], whole.values[0])
-    path = eng.store.kv_path(eng.aux.namespace, cid)
+    path = eng.store.backend.kv_path(eng.aux.namespace, cid)
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF  # the last layer's values: past what a partial read verifies
     path.write_bytes(bytes(data))

@@ -153,7 +153,7 @@ def _from_full_prefill(lm, prefix, texts):
     [P, P + L_i) as if each chunk had been encoded alone: joint scoring over them re-rotates them
     to where they were, so it must reproduce the full prefill's attention exactly."""
     from cacheclip_rag.assemble import rerotate
-    from cacheclip_rag.store import ChunkKV
+    from cacheclip_rag.record import ChunkKV
 
     parts = [tokenize(lm, t)[0] for t in texts]
     ids = torch.cat([prefix.token_ids, *parts])

@@ -8,7 +8,8 @@ import torch
 from cacheclip_rag import store as store_mod
 from cacheclip_rag.backends import files as files_backend
 from cacheclip_rag.chunking import Chunk
-from cacheclip_rag.store import ChunkKV, KVStore
+from cacheclip_rag.record import ChunkKV
+from cacheclip_rag.store import KVStore
 
 NS = "ab" * 16
 
@@ -50,7 +51,7 @@ def test_file_names_are_hashes_inside_the_store(tmp_path):
     assert len(files) == 1 and files[0].parent.parent == tmp_path / "kv"
     assert "passwd" not in files[0].name
     with pytest.raises(ValueError, match="hex digest"):
-        s.kv_path("../escape", "x")
+        s.backend.kv_path("../escape", "x")
 
 
 def test_failed_write_leaves_the_old_file(tmp_path, monkeypatch):
@@ -75,7 +76,7 @@ def test_failed_write_leaves_the_old_file(tmp_path, monkeypatch):
 def test_damaged_file_is_detected_and_removed(tmp_path, damage):
     s = KVStore(tmp_path)
     s.put_kv(NS, "c", _kv())
-    path = s.kv_path(NS, "c")
+    path = s.backend.kv_path(NS, "c")
     data = bytearray(path.read_bytes())
     if damage == "truncate":
         data = data[: len(data) // 2]

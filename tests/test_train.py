@@ -47,12 +47,12 @@ def test_train_packet_writes_adapters_that_load_and_serve(folder, tiny_pair, tmp
 
 
 def test_damaged_or_foreign_adapters_are_refused(folder, tmp_path, tiny_pair):
-    from cacheclip_rag.packets import Adapters
+    from cacheclip_rag.packets import PacketAdapters
     from cacheclip_rag.train import save_adapters
 
     lm = load(str(folder))
     path = tmp_path / "a.safetensors"
-    save_adapters(path, Adapters.initial(lm, 2, 2), lm, TrainConfig(), [])
+    save_adapters(path, PacketAdapters.initial(lm, 2, 2), lm, TrainConfig(), [])
     assert load_adapters(path, lm).header.shape[0] == 2
     _, aux = tiny_pair
     with pytest.raises(ValueError, match="adapters for model"):

@@ -14,7 +14,7 @@ import torch
 
 from .models import LoadedModel
 from .recompute import AssembledCache
-from .store import ChunkKV
+from .record import ChunkKV
 
 
 @dataclass(frozen=True)

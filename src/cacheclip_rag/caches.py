@@ -15,8 +15,9 @@ import torch
 from .config import PromptConfig
 from .encode import Template, chat_template, encode_prefix, encode_segment, tokenize
 from .models import LoadedModel
-from .packets import Adapters, packet_cache
-from .store import ChunkKV, DamagedCacheError, KVStore, LayerReader
+from .packets import PacketAdapters, packet_cache
+from .record import ChunkKV, DamagedCacheError, LayerReader
+from .store import KVStore
 
 PREFIX_KEY = "__shared_prefix__"
 """The store key of a namespace's shared-prefix cache (keys starting "__" are not chunks)."""
@@ -51,11 +52,11 @@ class ChunkCaches:
     store: KVStore
     role: str
     storage: torch.dtype
-    adapters: Adapters | None = None
+    adapters: PacketAdapters | None = None
 
     @classmethod
     def open(cls, lm: LoadedModel, store: KVStore, prompt: PromptConfig, role: str,
-             adapters: Adapters | None = None) -> ChunkCaches:
+             adapters: PacketAdapters | None = None) -> ChunkCaches:
         """Frame `lm` for `prompt`, record its namespace in the store and make sure the shared
         prefix's cache is there and current."""
         template = chat_template(lm, prompt)

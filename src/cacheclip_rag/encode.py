@@ -9,7 +9,7 @@ import torch
 from .chunking import encode_text
 from .config import PromptConfig
 from .models import LoadedModel
-from .store import ChunkKV
+from .record import ChunkKV
 
 _PLACEHOLDER = "\x00CACHECLIP-USER-CONTENT\x00"
 

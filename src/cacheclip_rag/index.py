@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .backends.files import atomic_write
+
 log = logging.getLogger(__name__)
 
 DEFAULT_EMBEDDER = "all-minilm-l6-v2"
@@ -116,8 +118,6 @@ class ChunkIndex:
 
     def _save(self) -> None:
         import faiss
-
-        from .store import atomic_write
 
         atomic_write(self.folder / "faiss.bin", lambda p: faiss.write_index(self._index, p))
         atomic_write(self.folder / "ids.json", lambda p: Path(p).write_text(json.dumps(self._ids)))

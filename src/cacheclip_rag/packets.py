@@ -1,4 +1,5 @@
-"""KV Packet (arXiv, `shared/papers/kv-packet-paper.md`): trainable boundary adapters around each chunk.
+"""KV Packet ("KV Packet: Recomputation-Free Context-Independent KV Caching for LLMs", arXiv:2604.13226):
+trainable boundary adapters around each chunk.
 
 A packet is a chunk wrapped at the embedding level as [header, chunk, trailer], where header and
 trailer are N_h and N_t trainable vectors shared by every chunk. Its cache is precomputed after
@@ -29,7 +30,7 @@ from safetensors import safe_open
 from .assemble import rerotate
 from .encode import layers_kv
 from .models import EMBEDDED, LoadedModel
-from .store import ChunkKV
+from .record import ChunkKV
 
 SOFT_TOKEN = -1
 """Soft rows (header and trailer vectors) have no token; they are recorded with negative ids:
@@ -38,14 +39,14 @@ vector (`embed`) and can never be mistaken for a vocabulary token."""
 
 
 @dataclass
-class Adapters:
+class PacketAdapters:
     """header [N_h, hidden] and trailer [N_t, hidden], float32 (trained; cast to the model dtype)."""
 
     header: torch.Tensor
     trailer: torch.Tensor
 
     @classmethod
-    def initial(cls, lm: LoadedModel, n_header: int = 8, n_trailer: int = 8, seed: int = 0) -> Adapters:
+    def initial(cls, lm: LoadedModel, n_header: int = 8, n_trailer: int = 8, seed: int = 0) -> PacketAdapters:
         """Random vectors at the scale of the model's token embeddings (as `Family.embed` gives them)."""
         for name, n in (("n_header", n_header), ("n_trailer", n_trailer)):
             if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 256:
@@ -84,7 +85,7 @@ class Adapters:
 ADAPTER_KIND = "cacheclip-kv-packet-adapters"
 """The `kind` an adapter file's metadata carries."""
 
-SHIPPED_DIR = Path(__file__).parent / "adapters"
+SHIPPED_DIR = Path(__file__).parent / "data" / "packets"
 SHIPPED: dict[str, tuple[str, str]] = {
     # `cacheclip train packet --out adapters.safetensors` (defaults; float32; 3,621 s on 2 cores,
     # no native bf16): held-out KL 0.2463 (initial vectors) -> 0.1054 after 3 epochs. docs/training.md.
@@ -101,7 +102,7 @@ def shipped_adapters(lm: LoadedModel) -> Path | None:
     return SHIPPED_DIR / entry[0] if entry else None
 
 
-def resolve_adapters(spec: str | None, lm: LoadedModel) -> Adapters | None:
+def resolve_adapters(spec: str | None, lm: LoadedModel) -> PacketAdapters | None:
     """The adapters a config names: "auto" the shipped ones for `lm` (None when there are none),
     None no adapters, else a file path (a ValueError if it is missing, damaged or foreign)."""
     if spec is None:
@@ -124,8 +125,8 @@ def resolve_adapters(spec: str | None, lm: LoadedModel) -> Adapters | None:
     return load_adapters(spec, lm)
 
 
-def load_adapters(path: str | Path, lm: LoadedModel) -> Adapters:
-    """Adapters saved for `lm`; a damaged file, or one trained for another model, is a ValueError
+def load_adapters(path: str | Path, lm: LoadedModel) -> PacketAdapters:
+    """PacketAdapters saved for `lm`; a damaged file, or one trained for another model, is a ValueError
     naming the file and what was expected. An embedded model's adapters serve it in any dtype
     (its name pins its weights); any other model's must match its weights fingerprint."""
     path = Path(path)
@@ -145,20 +146,20 @@ def load_adapters(path: str | Path, lm: LoadedModel) -> Adapters:
             or trailer.shape[-1] != lm.config.hidden_size:
         raise ValueError(f"{path}: adapters of shape {tuple(header.shape)} / {tuple(trailer.shape)}, expected "
                          f"[N, {lm.config.hidden_size}] (the model's hidden size)")
-    adapters = Adapters(header.to(torch.float32), trailer.to(torch.float32))
+    adapters = PacketAdapters(header.to(torch.float32), trailer.to(torch.float32))
     if adapters.digest() != meta.get("sha256"):
         raise ValueError(f"{path}: adapter tensors hash to {adapters.digest()}, the file records {meta.get('sha256')!r}")
     return adapters
 
 
-def wrap(lm: LoadedModel, adapters: Adapters, ids: torch.Tensor) -> torch.Tensor:
+def wrap(lm: LoadedModel, adapters: PacketAdapters, ids: torch.Tensor) -> torch.Tensor:
     """Embeddings [N_h + T + N_t, hidden] of one packet (differentiable in the adapters)."""
     dtype = lm.dtype
     body = lm.family.embed(ids.to(lm.device))
     return torch.cat([adapters.header.to(lm.device, dtype), body, adapters.trailer.to(lm.device, dtype)])
 
 
-def wrap_ids(adapters: Adapters, ids: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def wrap_ids(adapters: PacketAdapters, ids: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A chunk's token ids [T] and character spans [T, 2] as a packet's: [N_h + T + N_t] ids with
     the soft ids around them, and spans where the soft rows are empty (at the chunk's first and
     last character), so no text maps to them."""
@@ -170,7 +171,7 @@ def wrap_ids(adapters: Adapters, ids: torch.Tensor, offsets: torch.Tensor) -> tu
     return torch.cat([head, ids.to(torch.long), tail]), spans
 
 
-def embed(lm: LoadedModel, adapters: Adapters, ids: torch.Tensor) -> torch.Tensor:
+def embed(lm: LoadedModel, adapters: PacketAdapters, ids: torch.Tensor) -> torch.Tensor:
     """Embeddings [M, hidden] of request rows by id: vocabulary tokens through the model,
     soft ids (< 0) as their adapter vectors."""
     soft = ids < 0
@@ -185,7 +186,7 @@ def embed(lm: LoadedModel, adapters: Adapters, ids: torch.Tensor) -> torch.Tenso
 
 
 @torch.inference_mode()
-def packet_cache(lm: LoadedModel, adapters: Adapters, prefix_ids: torch.Tensor, ids: torch.Tensor,
+def packet_cache(lm: LoadedModel, adapters: PacketAdapters, prefix_ids: torch.Tensor, ids: torch.Tensor,
                  offsets: torch.Tensor) -> ChunkKV:
     """The sequential form: prefill prefix + packet; keep the packet's rows (keys rotated for
     positions [P, P + N_h + T + N_t)), recorded with `wrap_ids`'s ids and spans."""
@@ -195,7 +196,7 @@ def packet_cache(lm: LoadedModel, adapters: Adapters, prefix_ids: torch.Tensor, 
     return ChunkKV(keys, values, token_ids, spans, start_pos=int(prefix_ids.numel()))
 
 
-def student_logits(lm: LoadedModel, adapters: Adapters, prefix_ids: torch.Tensor, docs: list[torch.Tensor],
+def student_logits(lm: LoadedModel, adapters: PacketAdapters, prefix_ids: torch.Tensor, docs: list[torch.Tensor],
                    tail_ids: torch.Tensor) -> torch.Tensor:
     """The parallel form: logits [len(tail) , vocab] (fp32) after each tail token of
     [prefix, packet(doc_1), ..., packet(doc_M), tail], each packet seeing the prefix and itself

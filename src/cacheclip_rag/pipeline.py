@@ -19,7 +19,7 @@ import torch
 from .assemble import Layout, write_segment
 from .models import LoadedModel
 from .recompute import AssembledCache
-from .store import ChunkKV, DamagedCacheError, LayerReader
+from .record import ChunkKV, DamagedCacheError, LayerReader
 
 log = logging.getLogger(__name__)
 

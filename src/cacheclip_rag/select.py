@@ -22,7 +22,7 @@ from .models import LoadedModel
 from cacheclip_kernels import causal_position_mask
 
 from .assemble import rerotate
-from .store import ChunkKV
+from .record import ChunkKV
 
 
 @dataclass
@@ -303,7 +303,7 @@ def select(
     aux_prefix: ChunkKV,
     aux_chunks: list[ChunkKV],
     query_ids: torch.Tensor,
-    budget: str = "paper",
+    budget: str = "keep",
 ) -> list[ChunkSelection]:
     """Score, pick candidates and group, per chunk, in aux token space. cfg: resolved
     (SelectConfig.resolve), so its scoring layers and aggregations are all set."""
@@ -320,7 +320,7 @@ def normalized(scores: list[torch.Tensor], how: str) -> list[torch.Tensor]:
     return scores
 
 
-def pick(scores: list[torch.Tensor], ratio: float, cfg: SelectConfig, budget: str = "paper") -> list[ChunkSelection]:
+def pick(scores: list[torch.Tensor], ratio: float, cfg: SelectConfig, budget: str = "keep") -> list[ChunkSelection]:
     """Scores -> candidates -> kept tokens, under the paper's rule or budget-keeping."""
     if budget == "keep":
         kept = keep_budget(scores, ratio, cfg.window, cfg.tau)

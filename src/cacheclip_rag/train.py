@@ -1,4 +1,4 @@
-"""Offline: train KV Packet adapters for a primary model by self-distillation (issue 15).
+"""Offline: train KV Packet adapters for a primary model by self-distillation.
 
 Teacher: the frozen model's own greedy continuation G of [prefix, D_1..D_M, Q] under full
 attention, and its log-probabilities over G. Student: the same request with every document a
@@ -7,10 +7,10 @@ only the adapters get gradients. Training requests are generated (`traindata`: n
 two-hop facts, plain prose, in turn) with seeds disjoint from every evaluation and calibration
 seed (TRAIN_SEED_BASE and up). Updates average `batch` requests (gradient accumulation) with
 Adam and a linear learning-rate decay; the epoch with the lowest held-out KL is kept (the paper
-selects its epoch on a disjoint set too). Adapters are saved as safetensors with the model
+selects its epoch on a disjoint set too). PacketAdapters are saved as safetensors with the model
 fingerprint, their shape and sha256; loading (`packets.load_adapters`) checks all three.
 
-`train_lora` trains the concatenation-aware LoRA (issue 16) with the same teacher, data and fit
+`train_lora` trains the concatenation-aware LoRA with the same teacher, data and fit
 loop: the student is the plain block-diagonal form plus a full-attention term (`lora.py` saves,
 checks and merges it).
 """
@@ -32,7 +32,7 @@ from .config import PromptConfig
 from .encode import chat_template, tokenize
 from .generate import hf_step
 from .models import LoadedModel
-from .packets import ADAPTER_KIND, Adapters, student_logits
+from .packets import ADAPTER_KIND, PacketAdapters, student_logits
 from .traindata import ALL_KINDS, KINDS, make_request
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ def make_example(lm: LoadedModel, prefix_ids: torch.Tensor, suffix: str, prompt:
     return Example(docs, tail, torch.stack(rows).cpu())
 
 
-def kl(lm: LoadedModel, adapters: Adapters, prefix_ids: torch.Tensor, ex: Example) -> torch.Tensor:
+def kl(lm: LoadedModel, adapters: PacketAdapters, prefix_ids: torch.Tensor, ex: Example) -> torch.Tensor:
     """KL(teacher || student) per generated token, averaged over them."""
     student = student_logits(lm, adapters, prefix_ids, ex.docs, ex.tail)[-ex.teacher.shape[0] :].log_softmax(-1)
     return torch.nn.functional.kl_div(student, ex.teacher.to(student.device), log_target=True, reduction="batchmean")
@@ -218,25 +218,25 @@ def fit(objective: Objective, train_set: list[Example], held: list[Example], cfg
 
 def train(lm: LoadedModel, cfg: TrainConfig, prompt: PromptConfig | None = None,
           progress: Callable[[str], None] | None = None,
-          teacher_progress: Callable[[str], None] | None = None) -> tuple[Adapters, list[dict]]:
+          teacher_progress: Callable[[str], None] | None = None) -> tuple[PacketAdapters, list[dict]]:
     """Train KV Packet adapters for `lm`; returns them and the per-epoch curve (train loss, held-out
     KL). progress: called per training step; teacher_progress: per example the teacher makes."""
     prefix_ids, train_set, held = examples(lm, cfg, prompt, teacher_progress)
     for p in lm.model.parameters():
         p.requires_grad_(False)
-    adapters = Adapters.initial(lm, cfg.n_header, cfg.n_trailer, seed=cfg.seed)
+    adapters = PacketAdapters.initial(lm, cfg.n_header, cfg.n_trailer, seed=cfg.seed)
     adapters.header.requires_grad_(True)
     adapters.trailer.requires_grad_(True)
     objective = Objective(
         params=[adapters.header, adapters.trailer],
         loss=lambda ex: kl(lm, adapters, prefix_ids, ex),
         held=lambda ex: {"held_out_kl": kl(lm, adapters, prefix_ids, ex).item()},
-        snapshot=lambda: Adapters(adapters.header.detach().clone(), adapters.trailer.detach().clone()),
+        snapshot=lambda: PacketAdapters(adapters.header.detach().clone(), adapters.trailer.detach().clone()),
     )
     return fit(objective, train_set, held, cfg, progress)
 
 
-def save_adapters(path: str | Path, adapters: Adapters, lm: LoadedModel, cfg: TrainConfig, curve: list[dict]) -> str:
+def save_adapters(path: str | Path, adapters: PacketAdapters, lm: LoadedModel, cfg: TrainConfig, curve: list[dict]) -> str:
     """Write the adapters as safetensors with what loading checks; returns their sha256 (the pin)."""
     tensors = {"header": adapters.header.to(torch.float32).contiguous(), "trailer": adapters.trailer.to(torch.float32).contiguous()}
     meta = {"kind": ADAPTER_KIND, "model": lm.name, "fingerprint": lm.fingerprint,
@@ -252,7 +252,7 @@ def save_adapters(path: str | Path, adapters: Adapters, lm: LoadedModel, cfg: Tr
 
 def train_lora(lm: LoadedModel, cfg: LoraTrainConfig, prompt: PromptConfig | None = None,
                progress: Callable[[str], None] | None = None, teacher_progress: Callable[[str], None] | None = None):
-    """Train a concatenation-aware LoRA on `lm` (issue 16): the student reads the documents
+    """Train a concatenation-aware LoRA on `lm`: the student reads the documents
     encoded apart (block-diagonal mask, no adapters) and, weighted by full_weight, the whole
     request under full attention; both match the frozen model's full-attention continuation.
     Held out: the block KL (`held_out_kl`), the full-attention KL (`held_out_full_kl`: how far
@@ -265,7 +265,7 @@ def train_lora(lm: LoadedModel, cfg: LoraTrainConfig, prompt: PromptConfig | Non
     prefix_ids, train_set, held = examples(lm, cfg, prompt, teacher_progress)  # the teacher: the frozen base model
     peft_model = attach(lm, cfg.rank, cfg.alpha, seed=cfg.seed)
     params = [p for p in peft_model.parameters() if p.requires_grad]
-    plain = Adapters.initial(lm, 0, 0)
+    plain = PacketAdapters.initial(lm, 0, 0)
 
     def full_kl(ex: Example) -> torch.Tensor:
         seq = torch.cat([prefix_ids, *ex.docs, ex.tail]).to(lm.device)

@@ -1,4 +1,4 @@
-"""Label-free training requests for KV Packet adapters: a mix of three kinds (issue 15).
+"""Label-free training requests for KV Packet adapters: a mix of three kinds.
 
 The KV Packet paper found adapters trained on one domain do not transfer, so training mixes:
 
@@ -27,7 +27,7 @@ KINDS = ("needle", "twohop", "prose")
 """The KV Packet adapters' mix (the shipped adapters were trained on it)."""
 ALL_KINDS = (*KINDS, "notes")
 """Every kind `make_request` makes; the concatenation-aware LoRA trains on all of them (short
-notes keep its answers over snippet stores from drifting, issue 16)."""
+notes keep its answers over snippet stores from drifting)."""
 
 _GIVEN = ["Arvid", "Bettina", "Corin", "Dalia", "Edvard", "Fenna", "Gideon", "Hester", "Ingmar", "Juno", "Kasimir",
           "Liesel", "Magnus", "Nerys", "Orla", "Pavel", "Runa", "Soren", "Thea", "Ulrik"]

@@ -13,7 +13,10 @@ within a bounded time, never hang.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -28,6 +31,11 @@ def check_namespace(namespace: str) -> str:
     if not isinstance(namespace, str) or not _HEX.match(namespace):
         raise ValueError(f"store namespace must be a hex digest, got {namespace!r}")
     return namespace
+
+
+def hashed_name(key: str) -> str:
+    """The name a key or chunk id is stored under: a hash, so none ever becomes a path or a server key."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:40]
 
 
 class StoreUnavailableError(ValueError):
@@ -97,3 +105,37 @@ class KVBackend(Protocol):
         """A local folder for what must be a file (the FAISS index working copy)."""
 
     def close(self) -> None: ...
+
+
+_OPENERS: dict[str, Callable[[str], KVBackend]] = {}
+PATH_SCHEME = "file"
+"""The scheme a plain folder path opens with (`open_backend("my-store")`)."""
+
+
+def register(scheme: str, opener: Callable[[str], KVBackend]) -> None:
+    """Make `open_backend` open locations of `scheme` (a URL scheme; "file" for folder paths)
+    with `opener`, which takes the path or URL as given. Each backend module registers itself."""
+    if not isinstance(scheme, str) or not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
+        raise ValueError(f"a backend scheme must be a lowercase URL scheme, got {scheme!r}")
+    _OPENERS[scheme] = opener
+
+
+def unregister(scheme: str) -> None:
+    _OPENERS.pop(scheme, None)
+
+
+def schemes() -> tuple[str, ...]:
+    """The URL schemes a store may be named by (besides a folder path)."""
+    return tuple(s for s in _OPENERS if s != PATH_SCHEME)
+
+
+def open_backend(location: str | os.PathLike) -> KVBackend:
+    """A backend for a folder path or a store URL; a ValueError names a malformed or unknown one."""
+    if isinstance(location, os.PathLike) or "://" not in str(location):
+        return _OPENERS[PATH_SCHEME](os.fspath(location))
+    url = str(location)
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in _OPENERS or scheme == PATH_SCHEME:
+        raise ValueError(f"store {url!r}: unknown URL scheme {scheme!r}; expected a folder path or one of "
+                         f"{[s + '://' for s in schemes()]}")
+    return _OPENERS[scheme](url)

@@ -10,7 +10,6 @@ Every write goes to a temporary file in the same folder, is fsynced and renamed 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -21,13 +20,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .base import check_namespace
+from .base import check_namespace, hashed_name, register
 
 log = logging.getLogger(__name__)
-
-def hashed_name(key: str) -> str:
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:40]
-
 
 def atomic_write(path: Path, write) -> None:
     """Write through a temporary file in the same folder, fsync, then rename into place."""
@@ -167,3 +162,6 @@ class FileBackend:
 
     def close(self) -> None:
         pass
+
+
+register("file", FileBackend)

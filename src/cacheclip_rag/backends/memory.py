@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .files import hashed_name
+from .base import hashed_name, register
 
 
 class MemoryRecord:
@@ -116,3 +116,6 @@ class MemoryBackend:
 
     def close(self) -> None:
         pass
+
+
+register("memory", MemoryBackend.named)

@@ -27,8 +27,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import torch
 
-from .base import StoreUnavailableError
-from .files import hashed_name
+from ..paths import cache_dir
+from .base import StoreUnavailableError, hashed_name, register
 
 log = logging.getLogger(__name__)
 
@@ -253,8 +253,6 @@ class RedisBackend:
     def local_dir(self) -> Path:
         """This process's working copy of the chunk index (rebuilt from the shared texts when new)."""
         if self._dir is None:
-            from ..models import cache_dir
-
             digest = hashlib.sha256(f"{self.location}|{self.prefix}".encode()).hexdigest()[:16]
             self._dir = cache_dir() / "redis-index" / digest
         return self._dir
@@ -269,3 +267,7 @@ class RedisBackend:
 
     def close(self) -> None:
         self._redis.close()
+
+
+register("redis", RedisBackend)
+register("rediss", RedisBackend)

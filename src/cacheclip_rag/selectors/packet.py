@@ -1,4 +1,4 @@
-"""`packet` and `packet+cacheclip`: KV Packet (`shared/papers/kv-packet-paper.md`) and its union
+"""`packet` and `packet+cacheclip`: KV Packet (arXiv:2604.13226) and its union
 with CacheClip selection.
 
 `packet` concatenates the chunks' packet caches (each chunk encoded between the trained header
