@@ -16,7 +16,7 @@ def test_options_are_normalized():
 
 @pytest.mark.parametrize("bad, message", [
     (dict(recompute_ratio=float("nan")), "recompute_ratio must be in"),
-    (dict(mode="fast"), "mode must be one of"),
+    (dict(mode=""), "mode must be a mode name"),
     (dict(budget="some"), "budget"),
     (dict(max_new_tokens=0), "max_new_tokens must be"),
     (dict(temperature=-1), "temperature must be"),
@@ -58,3 +58,33 @@ def test_prompt_pieces_split_around_found_chunks():
     assert aux_query == "\nQuestion: q?"
     pieces, aux_query = prompt_pieces("AAA", [(0, 3, "a")])
     assert pieces[-1] == ("\n", None) and aux_query == "\n"  # nothing after the chunk: a newline row
+
+
+def test_every_way_in_takes_the_options_from_their_one_declaration():
+    """The HTTP body, the framework LLM fields and the `cacheclip ask` flags: every
+    `RequestOptions` field, with its one default."""
+    import dataclasses
+    import inspect
+
+    from cacheclip_rag import frameworks, server
+    from cacheclip_rag.cli import parser
+    from cacheclip_rag.cli.common import request_options as cli_options
+    from cacheclip_rag.request import DEFAULTS
+
+    names = [f.name for f in dataclasses.fields(RequestOptions)]
+    body = server.Options.model_fields
+    for name in names:
+        assert name in body or all(n in body for n in server.OPENAI_FIELDS[name]), name
+    assert server.Options().request_options(DEFAULTS.max_new_tokens) == {"max_new_tokens": DEFAULTS.max_new_tokens,
+                                                                          "temperature": DEFAULTS.temperature}
+    assert inspect.signature(server.create_app).parameters["default_max_tokens"].default == DEFAULTS.max_new_tokens
+    fields = frameworks.EngineLLMFields.model_fields
+    assert all(fields[name].default == getattr(DEFAULTS, name) for name in frameworks.INSTANCE_OPTIONS)
+    args = parser().parse_args(["ask", "why?"])
+    assert cli_options(args) == dataclasses.asdict(DEFAULTS)
+    assert args.max_new_tokens == parser().parse_args(["serve"]).max_tokens == DEFAULTS.max_new_tokens
+    given = parser().parse_args(["ask", "why?", "--ratio", "0.5", "--stop", "A", "B", "--score-layers", "1", "2",
+                                 "--budget", "paper", "--aux-context", "joint", "--epic-tokens", "3"])
+    opts = RequestOptions.parse(**cli_options(given))
+    assert (opts.recompute_ratio, opts.stop, opts.score_layers, opts.budget, opts.aux_context, opts.epic_tokens) == \
+        (0.5, ("A", "B"), (1, 2), "paper", "joint", 3)

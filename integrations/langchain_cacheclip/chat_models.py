@@ -19,7 +19,7 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables.config import run_in_executor
 
-from cacheclip_rag.adapters import EngineLLMFields, apieces
+from cacheclip_rag.frameworks import EngineLLMFields, apieces
 
 _ROLES = ((SystemMessage, "system"), (HumanMessage, "user"), (AIMessage, "assistant"))
 
@@ -42,7 +42,7 @@ def _usage(answer) -> UsageMetadata:
 
 class ChatCacheClip(EngineLLMFields, BaseChatModel):
     """A LangChain chat model that answers from reused chunk KV caches (CacheClip). Fields and
-    `from_pretrained`: `cacheclip_rag.adapters.EngineLLMFields`.
+    `from_pretrained`: `cacheclip_rag.frameworks.EngineLLMFields`.
 
     Example:
         chat = ChatCacheClip.from_pretrained(store_dir="store")

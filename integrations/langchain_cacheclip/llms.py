@@ -17,12 +17,12 @@ from langchain_core.language_models.llms import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.runnables.config import run_in_executor
 
-from cacheclip_rag.adapters import EngineLLMFields, apieces
+from cacheclip_rag.frameworks import EngineLLMFields, apieces
 
 
 class CacheClipLLM(EngineLLMFields, BaseLLM):
     """A LangChain LLM that answers from reused chunk KV caches (CacheClip). Fields and
-    `from_pretrained`: `cacheclip_rag.adapters.EngineLLMFields`.
+    `from_pretrained`: `cacheclip_rag.frameworks.EngineLLMFields`.
 
     Example:
         llm = CacheClipLLM.from_pretrained(store_dir="store")

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from .assemble import TEMPLATE, Layout
-from . import plan
-from .config import AUX_CONTEXTS, PromptConfig, SelectConfig, check_budget, check_ratio
+from .assemble import TEMPLATE
+from .config import AUX_CONTEXTS, BUDGETS, PromptConfig, SelectConfig, check_budget, check_ratio
 from .generate import DecodeOptions
 
 Piece = tuple[str, "str | None"]
@@ -24,29 +23,35 @@ Piece = tuple[str, "str | None"]
 (text, TEMPLATE) for template text between a chat's turns (computed, special tokens parsed)."""
 
 
+def _option(default, help: str, **cli):
+    """A request option: its default, what it means, and how the command line takes it
+    (argparse keywords; "flags" for the names, default --the-field-name)."""
+    return field(default=default, metadata={"help": help, "cli": cli})
+
+
 @dataclass(frozen=True)
 class RequestOptions:
-    """The per-request options every entry point accepts, validated.
-
-    mode: a registered selector (`cacheclip_rag.plan.modes()`). recompute_ratio in [0, 1]. temperature 0 = greedy.
-    stop: strings that end the text. epic_tokens: epic mode's tokens per chunk (default
-    ceil(ratio x chunk length)). seed: sampling and the random mode. budget: "keep" (candidates
-    are added in score order until the grouped set reaches the ratio) or "paper" (the top ratio x
-    tokens are candidates; grouping keeps what it keeps). score_layers: aux layers that score
-    tokens (default: the config's, else the calibrated profile's, else the last). aux_context:
-    "chunk" or "joint", what the aux query reads when it scores (`SelectConfig.context`).
+    """The per-request options every entry point accepts, validated: the one declaration of
+    their names, defaults and meanings. The engine's keyword arguments, the HTTP body
+    (`server.Options`), the LangChain / LlamaIndex fields (`frameworks.EngineLLMFields`) and the
+    `cacheclip ask` flags are derived from it (tests/test_request.py checks each).
     """
 
-    mode: str = "cacheclip"
-    recompute_ratio: float = 0.2
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    stop: tuple[str, ...] = ()
-    epic_tokens: int | None = None
-    seed: int = 0
-    budget: str = "keep"
-    score_layers: tuple[int, ...] | None = None
-    aux_context: str | None = None
+    mode: str = _option("cacheclip", "the KV method: a registered selector (`CacheClipEngine.modes()`)")
+    recompute_ratio: float = _option(0.2, "share of the chunk tokens the primary recomputes, in [0, 1]",
+                                     flags=("--recompute-ratio", "--ratio"), type=float)
+    max_new_tokens: int = _option(128, "most tokens generated", type=int)
+    temperature: float = _option(0.0, "sampling temperature; 0 is greedy", type=float)
+    stop: tuple[str, ...] = _option((), "strings that end the text", nargs="+")
+    epic_tokens: int | None = _option(None, "epic mode's tokens per chunk (default ceil(ratio x chunk length))", type=int)
+    seed: int = _option(0, "seed of sampling and of the random mode", type=int)
+    budget: str = _option("keep", "keep: candidates are added in score order until the grouped set reaches the "
+                                  "ratio; paper: the top ratio x tokens are candidates, grouping keeps what it keeps",
+                          choices=BUDGETS)
+    score_layers: tuple[int, ...] | None = _option(None, "aux layers that score tokens (default: the config's, else "
+                                                         "the calibrated profile's, else the last)", type=int, nargs="+")
+    aux_context: str | None = _option(None, "what the aux query reads when it scores: chunk or joint "
+                                            "(`SelectConfig.context`; default: the profile's)", choices=AUX_CONTEXTS)
 
     @classmethod
     def parse(cls, **options) -> RequestOptions:
@@ -66,7 +71,9 @@ class RequestOptions:
             raise ValueError(f"aux_context must be one of {list(AUX_CONTEXTS)}, got {opts.aux_context!r}")
         if not isinstance(opts.seed, int) or isinstance(opts.seed, bool):
             raise ValueError(f"seed must be an integer, got {opts.seed!r}")
-        return replace(opts, mode=plan.get(opts.mode).name, recompute_ratio=check_ratio(opts.recompute_ratio),
+        if not isinstance(opts.mode, str) or not opts.mode:
+            raise ValueError(f"mode must be a mode name (`CacheClipEngine.modes()`), got {opts.mode!r}")
+        return replace(opts, recompute_ratio=check_ratio(opts.recompute_ratio),
                        budget=check_budget(opts.budget), score_layers=_layer_list(opts.score_layers))
 
     def decode_options(self) -> DecodeOptions:
@@ -85,8 +92,12 @@ def _layer_list(layers) -> tuple[int, ...] | None:
     return tuple(layers)
 
 
+DEFAULTS = RequestOptions()
+"""Every option at its default."""
+
 REQUEST_OPTIONS = ("chunk_ids", "k", *(f.name for f in fields(RequestOptions)))
-"""Per-request options every entry point (and every framework adapter) accepts."""
+"""Per-request options every entry point (and every framework adapter) accepts: which chunks
+(chunk_ids, or k to retrieve), then the `RequestOptions`."""
 
 
 def request_options(defaults: dict, overrides: dict) -> dict:
@@ -182,11 +193,9 @@ class Request:
     trace: list[dict] = field(default_factory=list)
     """CacheClip's per-chunk selection (aux scores, kept tokens, recomputed primary tokens)."""
     timings: dict[str, float] = field(default_factory=dict)
-    layout: Layout | None = None
     rows: torch.Tensor | None = None
     full_prefill: bool = False
     """The cache came from an ordinary prefill (nothing was reused)."""
-    text: str = ""
     generated: int = 0
 
     @classmethod

@@ -1,4 +1,4 @@
-"""`cacheclip serve`: the engine behind an OpenAI-compatible HTTP API, and a web page (issue 18).
+"""`cacheclip serve`: the engine behind an OpenAI-compatible HTTP API, and a web page.
 
     POST /v1/chat/completions   messages through the primary's chat template
     POST /v1/completions        a finished prompt (stored chunk texts in it are reused)
@@ -9,12 +9,13 @@
     GET  /                      the web page (static; talks to the API above)
 
 Both completion routes take the OpenAI fields (model, max_tokens, temperature, stop, stream,
-seed) and CacheClip's per-request options as extra body fields (mode, recompute_ratio,
-chunk_ids, k, retrieve, budget, score_layers, aux_context); every response carries a `cacheclip` object with
+seed) and CacheClip's per-request options (`request.RequestOptions`) as extra body fields, with
+chunk_ids, k and retrieve; every response carries a `cacheclip` object with
 the reuse metadata (chunks reused, tokens cached and computed, effective fraction, timings) and,
 for the page, the recomputed character spans of each chunk. Streaming is server-sent events in
 OpenAI's chunk format, ending with `data: [DONE]`.
 
+The routes are module-level functions over `app.state.serving` (`create_app` builds it).
 Requests run on worker threads, at most `max_active` at once; up to `max_waiting` more wait,
 and beyond that a request gets 503 at once. A client that disconnects mid-stream stops its
 generation at the next token and frees its slot. Bad input is a 400 naming the field.
@@ -31,23 +32,30 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
 from importlib import resources
 from typing import Any, Literal
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .answer import Answer, AnswerStream
-from .engine import CacheClipEngine
 from .backends.base import StoreUnavailableError
+from .engine import CacheClipEngine
+from .request import DEFAULTS, RequestOptions
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_CHARS = 512_000
 """Request text over this many characters is refused (413) before any tokenization: four times
 what fits the default primary's 32K-token context."""
+
+
+OPENAI_FIELDS = {"max_new_tokens": ("max_tokens", "max_completion_tokens")}
+"""`RequestOptions` fields an OpenAI body carries under its own names; every other field is a body
+field of the same name (tests/test_server.py checks that each one is)."""
 
 
 class Options(BaseModel):
@@ -73,27 +81,30 @@ class Options(BaseModel):
     metadata: dict | None = None
     store: bool | None = None
     stream_options: dict | None = None
-    # CacheClip's per-request options.
+    # CacheClip's per-request options (`RequestOptions`; unset: its defaults), and which chunks.
     mode: str | None = None
     recompute_ratio: float | None = None
-    chunk_ids: list[str] | None = None
-    k: int | None = None
-    retrieve: bool = True
+    epic_tokens: int | None = None
     budget: str | None = None
     score_layers: list[int] | None = None
     aux_context: str | None = None
+    chunk_ids: list[str] | None = None
+    k: int | None = None
+    retrieve: bool = True
 
     def new_tokens(self, default_max: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default_max
 
     def request_options(self, default_max: int) -> dict[str, Any]:
-        """The engine's per-request options (unset ones left to its defaults)."""
-        out: dict[str, Any] = {"max_new_tokens": self.new_tokens(default_max), "temperature": self.temperature}
-        for name in ("mode", "recompute_ratio", "budget", "score_layers", "aux_context", "seed"):
-            if getattr(self, name) is not None:
-                out[name] = getattr(self, name)
-        if self.stop is not None:
-            out["stop"] = self.stop
+        """The engine's per-request options: every `RequestOptions` field the body sets (under its
+        own name; max_new_tokens from OpenAI's max_tokens), the rest left to their defaults."""
+        out: dict[str, Any] = {"max_new_tokens": self.new_tokens(default_max)}
+        for f in fields(RequestOptions):
+            if f.name in OPENAI_FIELDS:
+                continue
+            value = getattr(self, f.name)
+            if value is not None:
+                out[f.name] = value
         return out
 
 
@@ -212,8 +223,187 @@ def _finish_reason(answer: Answer, max_new: int) -> str:
     return "length" if answer.generated_tokens >= max_new else "stop"
 
 
-def create_app(engine: CacheClipEngine, *, max_active: int = 2, max_waiting: int = 8, default_max_tokens: int = 256,
-               model_name: str | None = None) -> FastAPI:
+@dataclass
+class Serving:
+    """What the routes share, kept on `app.state.serving`: the engine, the gate, the worker
+    threads, the model name answered with, and the default max_tokens."""
+
+    engine: CacheClipEngine
+    gate: Gate
+    pool: ThreadPoolExecutor
+    served: str
+    default_max_tokens: int
+
+    async def in_thread(self, fn: Callable, *args) -> Any:
+        """fn(*args) on a worker thread; the engine's ValueError is a 400, a store outage a 503."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        except StoreUnavailableError as err:  # a ValueError too: caught first
+            raise HTTPException(503, f"store unavailable: {err}") from err
+        except ValueError as err:
+            raise HTTPException(400, str(err)) from err
+
+
+def _serving(request: Request) -> Serving:
+    return request.app.state.serving
+
+
+def _check_size(*texts: str) -> None:
+    if sum(len(t) for t in texts) > MAX_BODY_CHARS:
+        raise HTTPException(413, f"the request text is over {MAX_BODY_CHARS} characters (what the model's context could hold)")
+
+
+async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+    first = err.errors()[0] if err.errors() else {}
+    field_name = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or "body"
+    message = f"{field_name}: {first.get('msg', 'invalid')}"
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": field_name}}, 400)
+
+
+async def _http_error(request: Request, err: HTTPException) -> JSONResponse:
+    kind = "server_busy" if err.status_code == 503 else "invalid_request_error"
+    return JSONResponse({"error": {"message": str(err.detail), "type": kind}}, err.status_code)
+
+
+async def _complete(state: Serving, body: Options, start: Callable[[], AnswerStream], kind: str) -> Any:
+    """Run one completion (streamed or not) inside a gate slot."""
+    await state.gate.enter()
+    max_new = body.new_tokens(state.default_max_tokens)
+    try:
+        stream = await state.in_thread(start)
+    except BaseException:
+        state.gate.leave()
+        raise
+    rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    created = int(time.time())
+    if not body.stream:
+        try:
+            answer = await state.in_thread(stream.collect)
+        finally:
+            state.gate.leave()
+        choice = {"index": 0, "finish_reason": _finish_reason(answer, max_new)}
+        if kind == "chat":
+            choice["message"] = {"role": "assistant", "content": answer.text}
+        else:
+            choice["text"] = answer.text
+        return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion", "created": created,
+                "model": state.served, "choices": [choice], "usage": _usage(answer),
+                "cacheclip": _metadata(answer, stream.trace)}
+    # Generation starts now, on a worker thread, and frees the slot when it ends, whether or
+    # not the client ever reads the stream; a client that goes away sets `stop`.
+    queue: asyncio.Queue = asyncio.Queue()
+    stop = threading.Event()
+    loop = asyncio.get_running_loop()
+    future = loop.run_in_executor(state.pool, _produce, stream, queue, stop, loop)
+    future.add_done_callback(lambda _: state.gate.leave())
+    events = _events(state.served, stream, queue, stop, rid, created, kind, max_new)
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _events(served: str, stream: AnswerStream, queue: asyncio.Queue, stop: threading.Event, rid: str,
+                  created: int, kind: str, max_new: int) -> AsyncIterator[str]:
+    """The server-sent events of one streamed completion, in OpenAI's chunk format."""
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def event(delta: str | None, finish: str | None = None, **extra) -> str:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+        if kind == "chat":
+            choice["delta"] = {"content": delta} if delta is not None else {}
+        else:
+            choice["text"] = delta or ""
+        return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": served,
+                                      "choices": [choice], **extra}) + "\n\n"
+
+    try:
+        if kind == "chat":
+            yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": served, "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}) + "\n\n"
+        while True:
+            what, item = await queue.get()
+            if what == "piece":
+                yield event(item)
+            elif what == "done":
+                yield event(None, _finish_reason(item, max_new), usage=_usage(item),
+                            cacheclip=_metadata(item, stream.trace))
+                break
+            else:
+                yield "data: " + json.dumps({"error": {"message": str(item), "type": "server_error"}}) + "\n\n"
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        stop.set()  # a client gone mid-stream: generation stops at its next token
+
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatBody, request: Request):
+    state = _serving(request)
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    except ValueError as err:
+        raise HTTPException(400, str(err)) from err
+    _check_size(*(m["content"] for m in messages))
+    opts = body.request_options(state.default_max_tokens)
+    return await _complete(state, body, lambda: state.engine.stream_chat(
+        messages, body.chunk_ids, retrieve=body.retrieve, k=body.k, **opts), "chat")
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionBody, request: Request):
+    state = _serving(request)
+    _check_size(body.prompt)
+    opts = body.request_options(state.default_max_tokens)
+    return await _complete(state, body, lambda: state.engine.stream_generate(
+        body.prompt, body.chunk_ids, retrieve=body.retrieve, k=body.k, **opts), "text")
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    served = _serving(request).served
+    return {"object": "list", "data": [{"id": served, "object": "model", "created": 0, "owned_by": "cacheclip-rag"}]}
+
+
+@router.post("/v1/documents")
+async def documents(body: DocumentsBody, request: Request):
+    state = _serving(request)
+    _check_size(*(d if isinstance(d, str) else str(d.get("text", "")) for d in body.documents))
+    await state.gate.enter()
+    try:
+        ids = await state.in_thread(lambda: state.engine.ingest(body.documents, progress=False, split=body.split,
+                                                                packets=body.packets))
+    finally:
+        state.gate.leave()
+    return {"object": "list", "chunk_ids": ids, "chunks": len(set(ids))}
+
+
+@router.post("/v1/retrieve")
+async def retrieve(body: RetrieveBody, request: Request):
+    state = _serving(request)
+    _check_size(body.query)
+    hits = await state.in_thread(state.engine.retrieve, body.query, body.k)
+    chunks = dict(await state.in_thread(state.engine.chunk_texts, [cid for cid, _ in hits]))
+    return {"object": "list", "data": [{"id": cid, "score": score, "text": chunks[cid]} for cid, score in hits]}
+
+
+@router.get("/health")
+async def health(request: Request):
+    state = _serving(request)
+    gate, engine = state.gate, state.engine
+    return {"status": "ok", "model": state.served, "aux": engine.aux.lm.name, "running": gate.running,
+            "waiting": gate.queued, "max_active": gate.active, "max_waiting": gate.waiting,
+            "chunks": len(engine.index), "modes": list(engine.modes())}
+
+
+@router.get("/", response_class=HTMLResponse)
+async def page():
+    return (resources.files("cacheclip_rag") / "web" / "index.html").read_text()
+
+
+def create_app(engine: CacheClipEngine, *, max_active: int = 2, max_waiting: int = 8,
+               default_max_tokens: int = DEFAULTS.max_new_tokens, model_name: str | None = None) -> FastAPI:
     """The HTTP app over one engine (which it does not close)."""
     pool = ThreadPoolExecutor(max_workers=max_active + 1, thread_name_prefix="cacheclip-serve")
 
@@ -223,150 +413,11 @@ def create_app(engine: CacheClipEngine, *, max_active: int = 2, max_waiting: int
         pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="cacheclip-rag", version="1", docs_url="/docs", lifespan=lifespan)
-    gate = Gate(max_active, max_waiting)
-    served = model_name or engine.primary.lm.name
-    app.state.gate, app.state.engine = gate, engine
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-        first = err.errors()[0] if err.errors() else {}
-        field = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or "body"
-        message = f"{field}: {first.get('msg', 'invalid')}"
-        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": field}}, 400)
-
-    @app.exception_handler(HTTPException)
-    async def _http(request: Request, err: HTTPException) -> JSONResponse:
-        kind = "server_busy" if err.status_code == 503 else "invalid_request_error"
-        return JSONResponse({"error": {"message": str(err.detail), "type": kind}}, err.status_code)
-
-    async def in_thread(fn: Callable, *args) -> Any:
-        try:
-            return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
-        except StoreUnavailableError as err:  # a ValueError too: caught first
-            raise HTTPException(503, f"store unavailable: {err}") from err
-        except ValueError as err:
-            raise HTTPException(400, str(err)) from err
-
-    def check_size(*texts: str) -> None:
-        if sum(len(t) for t in texts) > MAX_BODY_CHARS:
-            raise HTTPException(413, f"the request text is over {MAX_BODY_CHARS} characters (what the model's context could hold)")
-
-    async def complete(body: Options, start: Callable[[], AnswerStream], kind: str) -> Any:
-        """Run one completion (streamed or not) inside a gate slot."""
-        await gate.enter()
-        max_new = body.new_tokens(default_max_tokens)
-        try:
-            stream = await in_thread(start)
-        except BaseException:
-            gate.leave()
-            raise
-        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        created = int(time.time())
-        if not body.stream:
-            try:
-                answer = await in_thread(stream.collect)
-            finally:
-                gate.leave()
-            choice = {"index": 0, "finish_reason": _finish_reason(answer, max_new)}
-            if kind == "chat":
-                choice["message"] = {"role": "assistant", "content": answer.text}
-            else:
-                choice["text"] = answer.text
-            return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion", "created": created,
-                    "model": served, "choices": [choice], "usage": _usage(answer),
-                    "cacheclip": _metadata(answer, stream.trace)}
-        # Generation starts now, on a worker thread, and frees the slot when it ends, whether or
-        # not the client ever reads the stream; a client that goes away sets `stop`.
-        queue: asyncio.Queue = asyncio.Queue()
-        stop = threading.Event()
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(pool, _produce, stream, queue, stop, loop)
-        future.add_done_callback(lambda _: gate.leave())
-        return StreamingResponse(_events(stream, queue, stop, rid, created, kind, max_new),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def _events(stream: AnswerStream, queue: asyncio.Queue, stop: threading.Event, rid: str, created: int,
-                      kind: str, max_new: int) -> AsyncIterator[str]:
-        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-
-        def event(delta: str | None, finish: str | None = None, **extra) -> str:
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
-            if kind == "chat":
-                choice["delta"] = {"content": delta} if delta is not None else {}
-            else:
-                choice["text"] = delta or ""
-            return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": served,
-                                          "choices": [choice], **extra}) + "\n\n"
-
-        try:
-            if kind == "chat":
-                yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": served, "choices": [
-                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}) + "\n\n"
-            while True:
-                what, item = await queue.get()
-                if what == "piece":
-                    yield event(item)
-                elif what == "done":
-                    yield event(None, _finish_reason(item, max_new), usage=_usage(item),
-                                cacheclip=_metadata(item, stream.trace))
-                    break
-                else:
-                    yield "data: " + json.dumps({"error": {"message": str(item), "type": "server_error"}}) + "\n\n"
-                    break
-            yield "data: [DONE]\n\n"
-        finally:
-            stop.set()  # a client gone mid-stream: generation stops at its next token
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody):
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        except ValueError as err:
-            raise HTTPException(400, str(err)) from err
-        check_size(*(m["content"] for m in messages))
-        opts = body.request_options(default_max_tokens)
-        return await complete(body, lambda: engine.stream_chat(messages, body.chunk_ids, retrieve=body.retrieve,
-                                                               k=body.k, **opts), "chat")
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
-        check_size(body.prompt)
-        opts = body.request_options(default_max_tokens)
-        return await complete(body, lambda: engine.stream_generate(body.prompt, body.chunk_ids, retrieve=body.retrieve,
-                                                                   k=body.k, **opts), "text")
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": served, "object": "model", "created": 0, "owned_by": "cacheclip-rag"}]}
-
-    @app.post("/v1/documents")
-    async def documents(body: DocumentsBody):
-        check_size(*(d if isinstance(d, str) else str(d.get("text", "")) for d in body.documents))
-        await gate.enter()
-        try:
-            ids = await in_thread(lambda: engine.ingest(body.documents, progress=False, split=body.split,
-                                                        packets=body.packets))
-        finally:
-            gate.leave()
-        return {"object": "list", "chunk_ids": ids, "chunks": len(set(ids))}
-
-    @app.post("/v1/retrieve")
-    async def retrieve(body: RetrieveBody):
-        check_size(body.query)
-        hits = await in_thread(engine.retrieve, body.query, body.k)
-        chunks = {cid: text for cid, text in await in_thread(engine.chunk_texts, [cid for cid, _ in hits])}
-        return {"object": "list", "data": [{"id": cid, "score": score, "text": chunks[cid]} for cid, score in hits]}
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": served, "aux": engine.aux.lm.name, "running": gate.running,
-                "waiting": gate.queued, "max_active": gate.active, "max_waiting": gate.waiting,
-                "chunks": len(engine.index), "modes": list(engine.modes())}
-
-    @app.get("/", response_class=HTMLResponse)
-    async def page():
-        return (resources.files("cacheclip_rag") / "web" / "index.html").read_text()
-
+    app.state.serving = Serving(engine, Gate(max_active, max_waiting), pool, model_name or engine.primary.lm.name,
+                                default_max_tokens)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.include_router(router)
     return app
 
 

@@ -1,6 +1,6 @@
 """What the LangChain and LlamaIndex LLMs share: their fields, loading, and how a call starts.
 
-Only the adapters under `integrations/` import this module (it needs pydantic, which both
+Only the framework integrations under `integrations/` import this module (it needs pydantic, which both
 frameworks bring); each adds its framework's methods on top and stays a thin translation.
 """
 
@@ -13,7 +13,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from .engine import AnswerStream
-from .request import request_options
+from .request import DEFAULTS, request_options
+
+INSTANCE_OPTIONS = ("mode", "recompute_ratio", "max_new_tokens", "temperature")
+"""The `RequestOptions` an LLM instance holds as fields (with their defaults there); every
+per-call option (`request.REQUEST_OPTIONS`) can be given per call."""
 
 
 class EngineLLMFields(BaseModel):
@@ -23,10 +27,10 @@ class EngineLLMFields(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     engine: Any = Field(exclude=True, description="a cacheclip_rag.CacheClipEngine")
-    mode: str = "cacheclip"
-    recompute_ratio: float = 0.2
-    max_new_tokens: int = 128
-    temperature: float = 0.0
+    mode: str = DEFAULTS.mode
+    recompute_ratio: float = DEFAULTS.recompute_ratio
+    max_new_tokens: int = DEFAULTS.max_new_tokens
+    temperature: float = DEFAULTS.temperature
     k: int | None = Field(default=None, description="chunks to retrieve for a bare question (engine default when None)")
     retrieve: bool = Field(default=True, description="answer a prompt holding no stored chunk text from the engine's retrieval")
 
@@ -40,20 +44,19 @@ class EngineLLMFields(BaseModel):
                                                  store_dir=store_dir, config=config)
         return cls(engine=engine, **kwargs)
 
+    def _defaults(self) -> dict[str, Any]:
+        return {"k": self.k, **{name: getattr(self, name) for name in INSTANCE_OPTIONS}}
+
     def start(self, prompt: str, overrides: dict[str, Any], **fixed: Any) -> AnswerStream:
         """Stream the answer to a framework's finished prompt. overrides: per-call options (an unknown
         one is a ValueError); fixed: what the framework passes itself (LangChain's stop)."""
-        defaults = {"mode": self.mode, "recompute_ratio": self.recompute_ratio, "max_new_tokens": self.max_new_tokens,
-                    "temperature": self.temperature, "k": self.k}
-        opts = request_options(defaults, overrides)
+        opts = request_options(self._defaults(), overrides)
         return self.engine.stream_generate(prompt, opts.pop("chunk_ids", None), retrieve=self.retrieve, **fixed, **opts)
 
     def start_chat(self, messages: list[dict], overrides: dict[str, Any], **fixed: Any) -> AnswerStream:
         """Stream the answer to a conversation ([{"role", "content"}]) through the engine's chat
         path (chunk texts in the messages reused; retrieval when none, if `retrieve`)."""
-        defaults = {"mode": self.mode, "recompute_ratio": self.recompute_ratio, "max_new_tokens": self.max_new_tokens,
-                    "temperature": self.temperature, "k": self.k}
-        opts = request_options(defaults, overrides)
+        opts = request_options(self._defaults(), overrides)
         return self.engine.stream_chat(messages, opts.pop("chunk_ids", None), retrieve=self.retrieve, **fixed, **opts)
 
 

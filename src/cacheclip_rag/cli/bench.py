@@ -1,0 +1,236 @@
+"""`cacheclip bench` and `eval`: benchmarks and QA evaluation, tables printed, JSON and plots written."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from .. import plan
+from ..config import ChunkConfig
+from ..eval import oracle  # noqa: F401  (registers the analysis-only oracle mode for bench and ask)
+from ..hardware import describe as describe_cpu
+from ..paths import cache_dir
+from .common import add_common, engine_from_args, progress_bar
+
+
+def _mode_list(modes: list[str], ratios: list[float]) -> list[tuple[str, float]]:
+    from ..eval.needle import BENCH_MODES
+
+    out = []
+    for mode in modes:
+        if mode not in (*plan.modes(), *BENCH_MODES):
+            raise ValueError(f"mode must be one of {[*plan.modes(), *BENCH_MODES]}, got {mode!r}")
+        fixed = plan.get(mode).fixed_ratio if mode not in BENCH_MODES else None
+        if fixed is not None:
+            out.append((mode, fixed))
+        else:
+            out.extend((mode, r) for r in ratios)
+    return out
+
+
+def cmd_bench(args) -> int:
+    print(f"{describe_cpu()}; compute dtype {args.dtype}")
+    if args.what != "niah" and args.from_json:
+        raise ValueError(f"--from applies to `bench niah`, not `bench {args.what}`")
+    if args.what not in ("niah", "fidelity", "deviation") and args.versus:
+        raise ValueError(f"--versus applies to `bench niah`, `fidelity` and `deviation`, not `bench {args.what}`")
+    if args.what == "alignment":
+        from ..eval import alignment
+        from ..models import load
+
+        rows = alignment.run(load(args.primary), load(args.aux), args.lengths, samples=args.samples, seed=args.seed + 10_000)
+        print(alignment.table(rows))
+        if args.json:
+            alignment.write_json(rows, args.json)
+        return 0
+    if args.what == "niah":
+        return _bench_niah(args)
+    if args.what == "fidelity":
+        return _bench_fidelity(args)
+    if args.what == "deviation":
+        return _bench_deviation(args)
+    if args.what == "http":
+        from ..eval import http
+
+        engine = engine_from_args(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
+        rows = http.run(engine, args.lengths, _mode_list(args.modes or ["cacheclip"], args.ratios), runs=args.runs,
+                        max_new_tokens=min(args.max_new_tokens, 16))
+        print(http.table(rows))
+        if args.json:
+            http.write_json(rows, args.json)
+        return 0
+    from ..eval import ttft
+    from ..recompute import attention_path
+
+    engine = engine_from_args(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
+    rows = ttft.run(engine, args.lengths, _mode_list(args.modes or ["full", "reuse", "cacheclip"], args.ratios),
+                    runs=args.runs, max_new_tokens=args.max_new_tokens, budget=args.budget)
+    primary, aux = engine.primary.lm.device, engine.aux.lm.device
+    overlap = engine.config.pipeline.overlaps(primary, aux)
+    print(f"primary on {primary}, aux on {aux}: aux selection "
+          f"{'overlapped with cache loading' if overlap else 'before cache loading'}; recompute attends with "
+          f"{attention_path(engine.config.attention_backend, primary, engine.primary.lm.dtype)}")
+    print(ttft.table(rows))
+    if args.json:
+        ttft.write_json(rows, args.json)
+    if args.plot:
+        ttft.plot(rows, args.plot)
+    stats = engine.store.stats
+    print(f"store memory tier: {stats.memory_hits} hits, {stats.disk_hits} disk reads, {stats.misses} misses")
+    return 0
+
+
+def _print_versus(args, results: list, rows: list[dict], metric: str, title: str, scale: float = 100,
+                  digits: int = 1, default_mode: str = "cacheclip") -> list[dict]:
+    """After a bench table: the oracle's footnote, then the paired comparison of the --versus rows
+    (default: the rows of `default_mode`) with every other on `metric`. Returns the pairs."""
+    from ..eval import needle
+
+    if any(r["mode"] == "oracle" for r in rows):
+        print("* oracle: analysis only; it selects with the primary's own attention from a full prefill")
+    labels = args.versus or list(dict.fromkeys(r["label"] for r in rows if r["mode"] == default_mode))
+    pairs = [p for label in labels for p in needle.versus(results, rows, label, metric=metric)]
+    if pairs:
+        print(f"\n{title}")
+        print(needle.versus_table(pairs, scale=scale, digits=digits))
+    return pairs
+
+
+def progress(args):
+    """The progress bar over the needle-suite samples a bench runs (minutes each at 4K on a CPU)."""
+    from ..niah import VARIANTS
+
+    return progress_bar(len(args.lengths) * len(args.variants or VARIANTS) * args.samples, "samples", "sample")
+
+
+def _bench_deviation(args) -> int:
+    """Reused vs full K/V per layer, how concentrated the deviation is, and the fidelity of
+    rows chosen by deviation against rows chosen by attention."""
+    from ..eval import deviation, fidelity
+
+    engine = engine_from_args(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
+    deviations, results = deviation.run(engine, args.ratios, variants=args.variants, lengths=args.lengths,
+                                        samples=args.samples, seed=args.seed, answer_tokens=args.max_new_tokens,
+                                        budget=args.budget, progress=progress(args), packets=args.packets)
+    if not deviations:
+        raise ValueError("full attention answered none of the samples; nothing to compare")
+    what = "the KV Packet cache from a full prefill of the wrapped sequence" if args.packets else \
+        "the reused cache from full prefill"
+    print(f"Relative deviation of {what}, |full - reused| / |full|, mean over rows:")
+    print(deviation.layer_table(deviations))
+    print(deviation.concentration(deviations))
+    print("\nFidelity to full attention of the rows each criterion picks:")
+    rows = fidelity.summarize(results)
+    print(fidelity.table(rows))
+    pairs = _print_versus(args, results, rows, "kl", "Paired KL differences on the same samples (negative: closer "
+                          "to full; 95% bootstrap interval; W/L: higher/lower KL):", scale=1, digits=4,
+                          default_mode="packet+cacheclip" if args.packets else "oracle")
+    if args.json:
+        deviation.write_json(deviations, results, rows, args.json, pairs)
+    return 0
+
+
+def _bench_fidelity(args) -> int:
+    """Teacher-force full attention's answer through each mode's recomputed rows; print the tables."""
+    from ..eval import fidelity
+
+    engine = engine_from_args(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
+    modes = _mode_list(args.modes or ["reuse", "random", "epic", "cacheclip-paper", "cacheclip", "oracle"], args.ratios)
+    modes = [(m, r) for m, r in modes if m != "full"]  # full is the reference itself
+    results = fidelity.run(engine, modes, variants=args.variants, lengths=args.lengths, samples=args.samples,
+                           seed=args.seed, answer_tokens=args.max_new_tokens, budget=args.budget,
+                           progress=progress(args))
+    rows = fidelity.summarize(results)
+    print(fidelity.table(rows))
+    pairs = _print_versus(args, results, rows, "kl", "Paired KL differences on the same samples (negative: "
+                          "closer to full; 95% bootstrap interval; W/L: higher/lower KL):", scale=1, digits=4)
+    if args.json:
+        fidelity.write_json(results, rows, args.json, pairs)
+    return 0
+
+
+def _bench_niah(args) -> int:
+    """Run the needle suite, or pool saved runs (--from), and print the tables."""
+    from ..eval import needle
+
+    if args.from_json:
+        results = needle.load(args.from_json)
+    else:
+        engine = engine_from_args(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
+        modes = _mode_list(args.modes or ["full", "reuse", "ape", "cacheblend", "epic", "random", "cacheclip"], args.ratios)
+        results = needle.run(engine, modes, variants=args.variants, lengths=args.lengths, samples=args.samples,
+                             seed=args.seed, max_new_tokens=args.max_new_tokens, progress=progress(args),
+                             budget=args.budget)
+    rows = needle.summarize(results)
+    print(needle.table(rows))
+    pairs = _print_versus(args, results, rows, "score",
+                          "Paired differences on the same samples (x100; 95% stratified bootstrap interval):")
+    if args.json:
+        needle.write_json(results, rows, args.json, pairs)
+    if args.plot:
+        from ..eval import plots
+
+        stem = Path(args.plot)
+        plots.quality_vs_ratio(rows, stem.with_name(stem.stem + "-quality.png"))
+        plots.ttft_breakdown(rows, stem.with_name(stem.stem + "-ttft.png"))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from ..eval import qa
+
+    examples = qa.load_dataset(args.dataset)
+    if args.limit:
+        examples = examples[: args.limit]
+    engine = engine_from_args(args)
+    modes = _mode_list(args.modes or ["full", "reuse", "ape", "cacheblend", "random", "cacheclip"], args.ratios)
+    results = qa.run(engine, examples, modes, max_new_tokens=args.max_new_tokens)
+    rows = qa.summarize(results)
+    print(qa.table(rows))
+    if args.json:
+        qa.write_json(results, rows, args.json)
+    return 0
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: niah (needle suite), fidelity (KL to full attention), deviation "
+                       "(reused vs full K/V, and selecting by it), ttft, alignment")
+    add_common(p, store_default=str(cache_dir() / "bench-store"))
+    p.add_argument("what", choices=["niah", "fidelity", "deviation", "ttft", "alignment", "http"],
+                   help="http: TTFT through `cacheclip serve` against the engine's own, same requests")
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048], help="context lengths in primary tokens")
+    p.add_argument("--modes", nargs="+", default=None, help=f"modes to compare (from {list(plan.modes())}, and cacheclip-paper: last aux layer, paper rule; cacheclip-joint: "
+                   "the aux query reads all chunks at once); "
+                   "full is always run")
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.2], help="recompute ratios for ratio modes")
+    p.add_argument("--variants", nargs="+", default=None, help="needle variants (default: all eight)")
+    p.add_argument("--budget", choices=["paper", "keep"], default="keep",
+                   help="selection budget rule of cacheclip and oracle (keep: compare at equal effective fractions)")
+    p.add_argument("--score-layers", type=int, nargs="+", default=None, help="aux scoring layers (default: profile or last)")
+    p.add_argument("--samples", type=int, default=5, help="samples per variant and length")
+    p.add_argument("--runs", type=int, default=5, help="ttft: runs per mode")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated (fidelity: answer tokens compared)")
+    p.add_argument("--packets", action="store_true",
+                   help="deviation: measure the KV Packet caches (against a full prefill of the wrapped sequence)")
+    p.add_argument("--json", default=None, help="write results as JSON here")
+    p.add_argument("--plot", default=None, help="write PNGs next to this path (niah: -quality, -ttft; ttft: -breakdown, -ratio)")
+    p.add_argument("--from", dest="from_json", nargs="+", default=None, metavar="JSON",
+                   help="niah: pool these saved runs (disjoint seeds, or other modes on the same samples) instead of running; "
+                        "TAG=JSON puts a run under a tag (tuned=run.json: rows tuned/full, ...)")
+    p.add_argument("--versus", nargs="+", default=None, metavar="LABEL",
+                   help="niah, fidelity, deviation: compare these rows (e.g. cacheclip@0.2) with every other, sample "
+                        "by sample (default: the cacheclip rows; deviation: the oracle rows)")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("eval", help="QA from a JSON Lines file: every mode on the same examples")
+    add_common(p, store_default=str(cache_dir() / "eval-store"))
+    p.add_argument("--dataset", default=str(resources.files("cacheclip_rag") / "data" / "qa_invented.jsonl"))
+    p.add_argument("--score-layers", type=int, nargs="+", default=None, help="aux scoring layers (default: profile or last)")
+    p.add_argument("--modes", nargs="+", default=None)
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.2])
+    p.add_argument("--limit", type=int, default=None, help="first N examples only")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=cmd_eval)

@@ -1,0 +1,116 @@
+"""What every command shares: the model and store flags, building the engine from them, reading
+document files, and printing timings."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+
+from ..config import ChunkConfig, EngineConfig, ModelConfig, SelectConfig, StoreConfig
+from ..engine import CacheClipEngine
+from ..models import DEFAULT_AUX, DEFAULT_PRIMARY
+from ..request import RequestOptions
+
+log = logging.getLogger("cacheclip_rag")
+
+
+def engine_from_args(args, chunk: ChunkConfig | None = None):
+    layers = getattr(args, "score_layers", None)
+    cfg = EngineConfig(
+        model=ModelConfig(dtype=getattr(args, "dtype", "auto"), primary_adapter=getattr(args, "primary_adapter", None)),
+        store=StoreConfig(kv_dtype=getattr(args, "kv_dtype", "auto")),
+        chunk=chunk or ChunkConfig(),
+        top_k=getattr(args, "k", None) or EngineConfig().top_k,
+        select=SelectConfig(score_layers=tuple(layers) if layers else None),
+        packets=packets_arg(getattr(args, "adapters", "auto")),
+    )
+    log.info("loading %s (primary) and %s (aux)", args.primary, args.aux)
+    return CacheClipEngine.from_pretrained(primary=args.primary, aux=args.aux, store_dir=args.store, config=cfg)
+
+
+def packets_arg(value: str) -> str | None:
+    return None if value == "none" else value
+
+
+def read_documents(paths: list[str]) -> list:
+    docs: list = []
+    for name in paths:
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"document file {name!r} does not exist")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{name} is not valid UTF-8 text ({err.reason} at byte {err.start})") from None
+        if path.suffix == ".jsonl":
+            for n, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    try:
+                        docs.append(json.loads(line))
+                    except json.JSONDecodeError as err:
+                        raise ValueError(f"{name}:{n} is not a JSON object ({err.msg})") from None
+        else:
+            docs.append({"text": text, "source": path.name})
+    return docs
+
+
+def fmt_timings(t: dict[str, float]) -> str:
+    keys = ("selection", "load", "assemble", "recompute", "ttft", "total")
+    return "  ".join(f"{k} {t.get(k, 0.0):.3f}s" for k in keys)
+
+
+def add_common(p: argparse.ArgumentParser, store_default: str | None = "cacheclip-store") -> None:
+    p.add_argument("--store", default=store_default, help="store directory (caches, texts, index)")
+    p.add_argument("--primary", default=DEFAULT_PRIMARY, help="primary model: embedded name, folder or hub id")
+    p.add_argument("--aux", default=DEFAULT_AUX, help="auxiliary (selector) model")
+    add_dtype(p)
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="storage dtype of the chunk caches (auto: bf16 for float32 models, else the compute dtype); "
+                   "each has its own namespace")
+    p.add_argument("--primary-adapter", default=None, metavar="DIR",
+                   help="a LoRA folder from `cacheclip train lora`, or 'shipped' (the package's), merged into the "
+                   "primary (the tuned primary)")
+    p.add_argument("--adapters", default="auto", metavar="FILE",
+                   help="KV Packet adapters for the packet modes: auto (shipped for the primary), a .safetensors "
+                   "file from `cacheclip train packet`, or none")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def add_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="compute dtype of both models; auto: bf16 where the hardware has it natively, else float32")
+
+
+def add_request_options(p: argparse.ArgumentParser, modes: tuple[str, ...]) -> None:
+    """A flag per `RequestOptions` field, with its default and help (the one declaration)."""
+    for f in dataclasses.fields(RequestOptions):
+        cli = dict(f.metadata["cli"])
+        flags = cli.pop("flags", ("--" + f.name.replace("_", "-"),))
+        if f.name == "mode":
+            cli["choices"] = modes
+        p.add_argument(*flags, dest=f.name, default=f.default, help=f.metadata["help"], **cli)
+
+
+def request_options(args: argparse.Namespace) -> dict:
+    """The `RequestOptions` given on the command line, by name."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(RequestOptions)}
+
+
+def progress_bar(total: int, desc: str, unit: str):
+    """A progress bar on stderr for a long job; the returned step(message) is called after each
+    of its `total` units (the bar closes itself after the last)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
+
+    def step(message: str) -> None:
+        bar.set_postfix_str(message)
+        bar.update(1)
+        if bar.n >= total:
+            bar.close()
+
+    return step

@@ -1,0 +1,130 @@
+"""`cacheclip models`, `calibrate` and `train`: what is done once per model or model pair."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from ..config import ModelConfig
+from ..models import DEFAULT_PRIMARY
+from ..hardware import describe as describe_cpu
+from .common import add_common, add_dtype, engine_from_args, progress_bar
+
+
+def cmd_models(args) -> int:
+    from ..models import EMBEDDED, resolve, verify_embedded
+
+    dtype = ModelConfig(dtype=args.dtype).torch_dtype()
+    for name, spec in EMBEDDED.items():
+        start = time.perf_counter()
+        verify_embedded(spec)
+        folder = resolve(name, dtype)
+        print(f"{name}: verified and ready in {folder} ({time.perf_counter() - start:.1f}s)")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from ..calibrate import calibrate, table
+
+    engine = engine_from_args(args)
+    profile, scores = calibrate(engine, tuple(args.lengths), args.samples, ratio=args.ratio, max_run=args.max_run,
+                                criterion=args.criterion)
+    print(table(scores, engine.aux.lm.num_layers))
+    measured = profile.measured
+    base = measured["baseline_kl"]
+    print(f"\nfor scale: KL of reuse (nothing recomputed) {base['reuse']:.4f}; random rows at the ratio: KL "
+          f"{base['random']:.4f}, hard {base['random_left_at_hard']:.3f}")
+    last, align = measured["last_layer"], measured["best_by_alignment"]
+    print(f"\nprofile for {profile.primary_name} + {profile.aux_name}: {profile.describe()}, "
+          f"by {measured['criterion']}: KL {measured['kl']:.4f}, hard {measured['left_at_hard']:.3f} "
+          f"(Jaccard {measured['jaccard']:.3f}, recall {measured['recall']:.3f}).\n"
+          f"The last layer ranks {last['rank']} (KL {last['kl']:.4f}); the best by Jaccard alone would be "
+          f"{align['aux_layers']} (KL {align['kl']:.4f}). Saved with the store {engine.store.location}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"profile": profile.to_dict(), "scores": [s.__dict__ for s in scores]}, indent=2))
+    return 0
+
+
+def cmd_train(args) -> int:
+    """Train the primary's KV Packet adapters (`packet`: a .safetensors file) or its
+    concatenation-aware LoRA (`lora`: a folder) by self-distillation; write them to --out."""
+    from dataclasses import fields as dc_fields
+
+    from ..models import load
+    from ..train import LoraTrainConfig, TrainConfig
+
+    kind = LoraTrainConfig if args.what == "lora" else TrainConfig
+    given = {f.name: getattr(args, f.name) for f in dc_fields(kind) if getattr(args, f.name, None) is not None}
+    cfg = kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
+    lm = load(args.primary, ModelConfig(dtype=args.dtype))
+    print(describe_cpu() + f"; training in {str(lm.dtype).removeprefix('torch.')}")
+    start = time.perf_counter()
+    teacher = progress_bar(cfg.samples + cfg.held_out, "teacher", "request")
+    bar = progress_bar(cfg.samples * cfg.epochs, "train", "step")
+    if args.what == "lora":
+        from dataclasses import asdict
+
+        from .. import lora
+        from ..train import train_lora
+
+        peft_model, curve = train_lora(lm, cfg, progress=bar, teacher_progress=teacher)
+        sha = lora.save(peft_model, args.out, lm, {"train_config": asdict(cfg), "curve": curve})
+    else:
+        from ..train import save_adapters, train
+
+        adapters, curve = train(lm, cfg, progress=bar, teacher_progress=teacher)
+        sha = save_adapters(args.out, adapters, lm, cfg, curve)
+    measures = [k for k in curve[0] if k.startswith("held_out")]
+    print(f"{'epoch':>5} {'train loss':>10} " + " ".join(f"{m.replace('_', '-').replace('-kl', ' KL'):>17}" for m in measures))
+    for row in curve:
+        print(f"{row['epoch']:>5} {row['train_loss']:>10.4f} " + " ".join(f"{row[m]:>17.4f}" for m in measures)
+              + ("   (kept)" if row.get("kept") else ""))
+    if curve[0].get("kept"):
+        print(f"WARNING: no epoch lowered the held-out {'loss' if args.what == 'lora' else 'KL'} below the untrained "
+              "state's, so the files hold the untrained state (a LoRA that changes nothing); train longer, with "
+              "more requests or another learning rate")
+    print(f"{args.what} adapters for {lm.name} -> {args.out} (sha256 {sha}); {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("calibrate", help="choose how the aux model scores tokens for a model pair; saves a profile in the store")
+    add_common(p)
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048],
+                   help="context lengths of the calibration inputs: those your requests have (a profile calibrated "
+                        "at 1K scored twice the KL of one calibrated at 2K on 2K requests)")
+    p.add_argument("--samples", type=int, default=6, help="calibration inputs per length (seeds disjoint from evaluation)")
+    p.add_argument("--ratio", type=float, default=0.2, help="recompute fraction the candidates are compared at")
+    p.add_argument("--max-run", type=int, default=3, help="longest run of adjacent aux layers tried")
+    p.add_argument("--criterion", choices=["kl", "hard"], default="kl",
+                   help="kl: mean KL over the answer; hard: divergence left where reuse diverges most")
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("train", help="train the primary's KV Packet adapters or concatenation-aware LoRA (self-distillation)")
+    p.add_argument("what", choices=["packet", "lora"], help="packet: header/trailer vectors (a .safetensors file); "
+                   "lora: LoRA on attention and MLP projections (a folder)")
+    p.add_argument("--primary", default=DEFAULT_PRIMARY, help="the model the adapters are for")
+    add_dtype(p)
+    p.add_argument("--out", required=True, help="packet: .safetensors file to write; lora: folder to write")
+    from dataclasses import fields as dc_fields
+
+    from ..train import LoraTrainConfig, TrainConfig
+
+    packet, lora_defaults = TrainConfig(), LoraTrainConfig()
+    for f in dc_fields(LoraTrainConfig):  # unset: the config's own default (packet and lora differ)
+        value = getattr(lora_defaults, f.name)
+        shown = (f"default: {getattr(packet, f.name)} (packet), {value} (lora)" if hasattr(packet, f.name)
+                 else f"lora only; default {value}")
+        if isinstance(value, tuple):
+            p.add_argument("--" + f.name.replace("_", "-"), nargs="+", default=None, help=shown)
+        else:
+            p.add_argument("--" + f.name.replace("_", "-"), type=type(value), default=None, help=shown)
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("models", help="verify and convert the embedded default models (once)")
+    add_dtype(p)
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=cmd_models)

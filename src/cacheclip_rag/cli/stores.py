@@ -1,0 +1,59 @@
+"""`cacheclip store stats|verify|repair`: inspect or heal a store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .common import add_common, engine_from_args
+
+
+def cmd_store(args) -> int:
+    from ..store import KVStore
+
+    root = args.store
+    if "://" not in root and not (Path(root) / "store.json").exists():
+        raise ValueError(f"{args.store!r} is not a cacheclip store (no store.json)")
+    store = KVStore(root)
+    if not store.read_manifest():
+        raise ValueError(f"{args.store!r} is not a cacheclip store (no manifest)")
+    if args.action == "stats":
+        usage = store.usage()
+        print(f"store {root}: {usage['chunks']} chunks, texts {usage['text_bytes'] / 2**20:.1f} MB")
+        for ns, info in usage["namespaces"].items():
+            dtypes = f"{info.get('dtype', '?')}/{info.get('kv_dtype', info.get('dtype', '?'))}"
+            print(f"  {info.get('role', '?'):<8} {info.get('model', '?'):<32} {dtypes:<18} {info['caches']:>6} caches "
+                  f"{info['bytes'] / 2**20:>9.1f} MB  (namespace {ns[:12]}, fingerprint {info.get('fingerprint', '?')[:12]})")
+            if info.get("packets"):
+                pk = info["packets"]
+                print(f"           KV Packet adapters {pk['adapters']} ({pk['n_header']} header + {pk['n_trailer']} "
+                      "trailer vectors); packet caches are built on first use or by `ingest --packets`")
+        print("  memory tier: in-process, per engine (StoreConfig.memory_bytes); hit rates in `bench ttft` output")
+        profiles = store.read_profiles()
+        for profile in profiles:
+            print(f"  selection profile: {profile.describe()} for {profile.primary_name} + {profile.aux_name}, "
+                  f"calibrated at {list(profile.lengths)} tokens ({profile.created})")
+        if not profiles:
+            print("  selection profile: none stored (the default pair uses the profiles the package ships; other "
+                  "pairs score with the aux model's last layer until `cacheclip calibrate`)")
+        return 0
+    if args.action == "verify":
+        report = store.verify()
+        missing = sum(len(v) for v in report["missing"].values())
+        print(f"checked {report['checked']} cache files: {len(report['damaged'])} damaged, "
+              f"{missing} missing, {len(report['orphans'])} orphaned, {len(report['bad_texts'])} unreadable texts")
+        for ns, name, why in report["damaged"]:
+            print(f"  damaged: {ns[:12]}/{name}: {why}")
+        return 0 if not (report["damaged"] or missing or report["bad_texts"]) else 1
+    engine = engine_from_args(args)
+    result = engine.repair(progress=not args.quiet)
+    print(f"repaired store {root}: {result['damaged']} damaged files found, {result['rebuilt']} caches rebuilt "
+          f"for {result['chunks']} chunks")
+    return 0
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("store", help="inspect or heal a store: stats, verify, repair")
+    add_common(p)
+    p.add_argument("action", choices=["stats", "verify", "repair"])
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_store)
