@@ -50,9 +50,6 @@ class AssembledCache:
         return cls(keys, values)
 
 
-BACKENDS = ("auto", "torch", "triton")
-
-
 def uses_kernel(backend: str, on_cuda: bool) -> bool:
     """Whether `attend` runs the Triton kernel (else a torch path) for this backend and device."""
     return backend == "triton" or (backend == "auto" and on_cuda)

@@ -10,7 +10,6 @@ ROUGE-L, and whether an answer string occurs in the prediction.
 from __future__ import annotations
 
 import json
-import random
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -129,64 +128,3 @@ def table(rows: list[dict]) -> str:
 
 def write_json(results: list[QAResult], rows: list[dict], path: str | Path) -> None:
     Path(path).write_text(json.dumps({"summary": rows, "examples": [asdict(r) for r in results]}, indent=2))
-
-
-# ----- the shipped dataset: multi-hop questions over invented facts --------------------------
-
-_FIRST = ["Ilse", "Tomas", "Nadia", "Oskar", "Priya", "Felix", "Mara", "Jonah", "Selma", "Ruben", "Agnes", "Milo",
-          "Leona", "Bastian", "Yara", "Emil", "Talia", "Anton", "Freya", "Cyrus"]
-_LAST = ["Vanterpool", "Okonkwo-Lind", "Rasmussen-Tal", "Quillfeather", "Draskovic", "Mbeki-Sorensen", "Halloran",
-         "Castellane", "Brightwater", "Ostrowski", "Fenwicke", "Ilyasova"]
-_CITIES = ["Marrowgate", "Tessaly Port", "Kelvinholm", "Ostrabruck", "Lindqvar", "Port Amsel", "Virelle", "Dunmarsh",
-           "Hollin Bay", "Serrano Falls", "Quintaro", "Aldersund"]
-_PROVINCES = ["Northmere", "Caldera Reach", "the Saltlands", "Vessen", "Upper Orrin", "the Amber Coast", "Kestria", "Lowfold"]
-_PRIZES = ["Halvard Prize", "Silver Quill Award", "Meridian Medal", "Ostara Prize", "Lantern Award", "Corvid Prize"]
-_JOBS = ["glassblower", "cartographer", "marine engineer", "beekeeper", "radio astronomer", "violin maker", "pharmacist", "tram driver"]
-_FILLER = ["is remembered by neighbours as a patient and curious person", "spent several summers restoring an old sailing boat",
-           "once gave a public lecture on the history of lighthouses", "keeps a large collection of antique maps",
-           "is known locally for an annual winter charity concert", "learned three languages while travelling as a student"]
-
-
-def make_invented_qa(n: int = 32, seed: int = 7) -> list[dict]:
-    """Two-hop questions: each needs two paragraphs; two distractor paragraphs are mixed in."""
-    rng = random.Random(seed)
-    people = [f"{f} {l}" for f in _FIRST for l in _LAST]
-    rng.shuffle(people)
-    out = []
-    for i in range(n):
-        p, other, spouse = people[3 * i], people[3 * i + 1], people[3 * i + 2]
-        city, city2 = rng.sample(_CITIES, 2)
-        prov, prov2 = rng.sample(_PROVINCES, 2)
-        kind = i % 4
-        fill = lambda who: f"{who} {rng.choice(_FILLER)}."  # noqa: E731
-        if kind == 0:
-            a = f"{p} was born in {city} in {rng.randint(1931, 1999)}. {fill(p)}"
-            b = f"{city} is the largest town of the province of {prov}. Its harbour is busy all year."
-            d1 = f"{other} was born in {city2}. {fill(other)}"
-            d2 = f"{city2} is the largest town of the province of {prov2}. It is known for its bridges."
-            q, ans = f"In which province was {p} born?", [prov]
-        elif kind == 1:
-            co = f"{rng.choice(['Orbis', 'Tallow', 'Nimbus', 'Kepler', 'Arden'])} {rng.choice(['Works', 'Instruments', 'Foundry', 'Labs'])}"
-            a = f"{p} founded the company {co} after leaving university. {fill(p)}"
-            b = f"{co} is headquartered in {city} and employs about {rng.randint(40, 900)} people."
-            d1 = f"{other} founded a small bakery in {city2}. {fill(other)}"
-            d2 = f"The bakery in {city2} opens at five every morning."
-            q, ans = f"In which city is the company founded by {p} headquartered?", [city]
-        elif kind == 2:
-            book = f"The {rng.choice(['Glass', 'Quiet', 'Northern', 'Salt', 'Iron'])} {rng.choice(['Orchard', 'Harbour', 'Meridian', 'Lantern', 'Archive'])}"
-            prize, prize2 = rng.sample(_PRIZES, 2)
-            a = f"{p} wrote the novel {book}, which took nine years to finish. {fill(p)}"
-            b = f"{book} won the {prize} in {rng.randint(1980, 2024)}."
-            d1 = f"{other} wrote a cookbook about river fish. {fill(other)}"
-            d2 = f"The cookbook by {other} won the {prize2}."
-            q, ans = f"Which prize did the novel written by {p} win?", [prize]
-        else:
-            job, job2 = rng.sample(_JOBS, 2)
-            a = f"{p} is married to {spouse}; they live in {city}. {fill(p)}"
-            b = f"{spouse} works as a {job} and has done so for many years."
-            d1 = f"{other} lives in {city2}. {fill(other)}"
-            d2 = f"{other} works as a {job2}."
-            q, ans = f"What is the profession of the person {p} is married to?", [job]
-        contexts = [{"title": f"Note {j + 1}", "text": t} for j, t in enumerate(rng.sample([a, b, d1, d2], 4))]
-        out.append({"question": q, "contexts": contexts, "answers": ans})
-    return out
