@@ -128,6 +128,9 @@ class BaselineConfig:
     cacheblend_check_layer: int = 1
     """CacheBlend's deviation is zero at layer 0 (K/V depend on token and position only)."""
     cacheblend_on: str = "k"
+    prophetkv_fuse: str = "mean"
+    """How ProphetKV fuses its per-layer query attention (each normalised over the chunk tokens):
+    "mean" or "max" over layers (the paper's abstract leaves it open; `selectors/prophetkv.py`)."""
 
     def __post_init__(self) -> None:
         for name in ("ape_temperature", "ape_scale"):
@@ -138,6 +141,8 @@ class BaselineConfig:
             raise ValueError(f"cacheblend_check_layer must be an integer >= 1, got {self.cacheblend_check_layer!r}")
         if self.cacheblend_on not in ("k", "v"):
             raise ValueError(f"cacheblend_on must be 'k' or 'v', got {self.cacheblend_on!r}")
+        if self.prophetkv_fuse not in ("mean", "max"):
+            raise ValueError(f"prophetkv_fuse must be 'mean' or 'max', got {self.prophetkv_fuse!r}")
 
 
 @dataclass(frozen=True)

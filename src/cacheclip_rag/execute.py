@@ -54,9 +54,10 @@ def execute(prepared: Prepared, selector: Selector, pool: Executor | None) -> Ex
         future = pool.submit(selector.plan_for, prepared)
     else:
         plan = selector.plan_for(prepared)  # an aux selection first: nothing competes with it
+        timings["selection"] = plan.seconds  # on the critical path (ProphetKV's first stage, too)
         if uses_aux:
             _check_keeps_positions(selector, plan)
-            timings["selection"] = timings["selection_wait"] = plan.seconds
+            timings["selection_wait"] = plan.seconds
             timings["selection_hidden"] = 0.0
         elif plan.full_prefill:
             return _full_prefill(prepared, plan)

@@ -173,6 +173,7 @@ def recompute_rows(
     layer_ready: Callable[[int], None] | None = None,
     tail: int = 1,
     embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    observe: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> RecomputeResult:
     """Recompute `rows` of the request in place in `cache`; return the last row's logits.
 
@@ -184,6 +185,9 @@ def recompute_rows(
     tail: how many of the last rows get logits (teacher-forced scoring; CacheBlend must not
     drop those rows). embed: ids [M] -> input rows [M, hidden], for requests whose rows are not
     all vocabulary tokens (KV Packet's soft rows, `packets.embed`); default the model's embedding.
+    observe(layer, q, rows): called at each layer once the rows' K/V are in the cache, with
+    their queries q [1, heads, M, head_dim] (rotated) and sequence indices [M], before they
+    attend (ProphetKV's first stage reads the attention it would have).
     """
     assert rows.numel() > 0, "nothing to recompute"
     last_row = int(rows[-1])
@@ -215,6 +219,8 @@ def recompute_rows(
             plans.clear()
         keys[:, :, rows] = k
         values[:, :, rows] = v
+        if observe is not None:
+            observe(layer, q, rows)
         scale, window = fam.scaling(layer), fam.window(layer)
         q_rows, plan = rows, block_plan(window, q.dtype)
         if layer == last and rows.numel() > tail:

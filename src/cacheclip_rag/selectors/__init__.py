@@ -4,4 +4,4 @@ To add a method: write a file here (or anywhere) with a `Selector` subclass and 
 `plan.register(...)` on an instance; it then appears in the API, the CLI and the benches.
 """
 
-from . import full, reuse, ape, cacheblend, epic, random_rows, cacheclip, packet  # noqa: F401
+from . import full, reuse, ape, cacheblend, epic, random_rows, cacheclip, prophetkv, packet  # noqa: F401

@@ -1,0 +1,77 @@
+"""`prophetkv`: user-query-driven selection with the primary's own layer-wise attention, in two
+stages (Wang et al., "ProphetKV: User-Query-Driven Selective Recomputation for Efficient KV Cache
+Reuse in Retrieval-Augmented Generation", arXiv:2602.02579).
+
+Only the paper's abstract is public; this is the reading it supports, with each open choice
+named (a `BaselineConfig` field where it is a setting):
+
+1. Stage one. The request's cache is assembled from the reused chunk caches (keys re-rotated,
+   as every mode does) and only the plain-text rows (separators, the question, the template
+   suffix) are recomputed through every layer. At each layer the attention of the query rows
+   (every row after the last chunk) over the chunk tokens is read: softmax over all keys a row
+   sees, causal and within the layer's sliding window, averaged over heads and query rows.
+2. Fusion. Each layer's scores are normalised to sum 1 over the chunk tokens (so no layer
+   dominates by the share of attention it gives the prefix or the question itself), then fused
+   over layers: "mean" (default) or "max" (`BaselineConfig.prophetkv_fuse`). The top
+   round(ratio x chunk tokens) tokens are chosen, no grouping (the abstract speaks of tokens).
+3. Stage two is the executor's ordinary recompute of the chosen rows plus every plain-text row,
+   which now reads repaired keys and values.
+
+Stage one runs on the primary, on the critical path: its time is the plan's `seconds`, counted
+in `timings["selection"]` and in TTFT like every other mode's selection.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from cacheclip_kernels import causal_position_mask
+
+from ..assemble import assemble
+from ..plan import Plan, Selector, register
+from ..recompute import recompute_rows
+
+
+class ProphetKV(Selector):
+    name = "prophetkv"
+
+    def plan(self, prepared) -> Plan:
+        start = time.perf_counter()
+        scores = query_attention(prepared)
+        chunk_rows = prepared.layout.chunk_rows()
+        k = round(prepared.request.ratio * chunk_rows.numel())
+        top = torch.topk(scores, k).indices if k > 0 else torch.empty(0, dtype=torch.long)
+        return Plan(rows=torch.sort(chunk_rows[top]).values, seconds=time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def query_attention(prepared, chunk_kvs: dict | None = None) -> torch.Tensor:
+    """Stage one and the fusion: one score per chunk row, [C] in `layout.chunk_rows()` order.
+    chunk_kvs: chunk id -> cache to assemble from instead of the stored ones (for the oracle test)."""
+    lm, layout = prepared.primary.lm, prepared.layout
+    fuse = prepared.config.baselines.prophetkv_fuse
+    cache = assemble(lm, layout, prepared.prefix_kv(), chunk_kvs or prepared.chunk_kvs())
+    chunk_rows = layout.chunk_rows()
+    query_start = layout.chunk_segments()[-1].end
+    per_layer: list[torch.Tensor] = []
+
+    def observe(layer: int, q: torch.Tensor, rows: torch.Tensor) -> None:
+        wanted = rows >= query_start
+        q, rows = q[:, :, wanted], rows[wanted]  # [1, Hq, R, D], [R]
+        keys = cache.keys[layer][:, :, : layout.num_tokens]
+        keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+        logits = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * lm.family.scaling(layer)
+        visible = causal_position_mask(rows[None], layout.num_tokens, lm.family.window(layer)).to(logits.device)
+        attention = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1)[0].mean(dim=(0, 1))  # [N]
+        on_chunks = attention[chunk_rows.to(attention.device)].cpu()
+        per_layer.append(on_chunks / on_chunks.sum().clamp_min(1e-12))
+
+    recompute_rows(lm, cache, layout.input_ids, layout.uncached_rows(), backend=prepared.config.attention_backend,
+                   embed=prepared.embed(), observe=observe)
+    stacked = torch.stack(per_layer)  # [layers, C]
+    return stacked.mean(dim=0) if fuse == "mean" else stacked.max(dim=0).values
+
+
+register(ProphetKV())

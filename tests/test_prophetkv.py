@@ -1,0 +1,79 @@
+"""ProphetKV (arXiv:2602.02579): its edges are the oracles (ratio 1 == full prefill, 0 == direct
+reuse) on every family, and its first stage reads the attention a full prefill would have where
+the reused caches already hold the cross-chunk context."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
+from cacheclip_rag.assemble import rerotate
+from cacheclip_rag.config import BaselineConfig
+from cacheclip_rag.record import ChunkKV
+from cacheclip_rag.select import attention_from_rows
+from cacheclip_rag.selectors.prophetkv import query_attention
+
+from conftest import CORPUS
+
+Q = "what is the code in the kitchen drawer?"
+
+
+@pytest.fixture
+def eng(tiny_lm, tmp_path):
+    engine = CacheClipEngine(tiny_lm, tiny_lm, tmp_path, EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4)))
+    engine.ids = engine.ingest(CORPUS, progress=False)[:4]
+    yield engine
+    engine.close()
+
+
+def test_prophetkv_at_ratio_one_is_full_prefill_and_at_zero_direct_reuse(eng):
+    full = eng.answer(Q, chunk_ids=eng.ids, mode="full", max_new_tokens=5)
+    reuse = eng.answer(Q, chunk_ids=eng.ids, mode="reuse", max_new_tokens=5)
+    all_rows = eng.answer(Q, chunk_ids=eng.ids, mode="prophetkv", recompute_ratio=1.0, max_new_tokens=5)
+    none = eng.answer(Q, chunk_ids=eng.ids, mode="prophetkv", recompute_ratio=0.0, max_new_tokens=5)
+    assert all_rows.text == full.text and all_rows.effective_fraction == 1.0
+    assert none.text == reuse.text and none.recomputed == reuse.recomputed
+
+
+def test_prophetkv_recomputes_the_ratio_and_counts_its_first_stage(eng):
+    ans = eng.answer(Q, chunk_ids=eng.ids, mode="prophetkv", recompute_ratio=0.3, max_new_tokens=2)
+    assert ans.effective_fraction == pytest.approx(round(0.3 * ans.context_tokens) / ans.context_tokens)
+    assert ans.timings["selection"] > 0  # stage one is on the critical path, in TTFT
+    prepared = eng.prepare(Q, eng.ids, mode="prophetkv", recompute_ratio=0.3)
+    scores = query_attention(prepared)
+    chunk_rows = prepared.layout.chunk_rows()
+    expected = chunk_rows[torch.topk(scores, round(0.3 * chunk_rows.numel())).indices]
+    assert set(ans.recomputed) & set(chunk_rows.tolist()) == set(expected.tolist())
+
+
+def test_stage_one_reads_a_full_prefills_query_attention(eng):
+    """Over chunk caches cut from one full prefill (each rotated back as if encoded alone), stage
+    one's recompute of the plain rows is exact, so its per-layer attention from the query rows is
+    the full prefill's: the fused scores equal the full prefill's, normalised and averaged."""
+    lm = eng.primary.lm
+    prepared = eng.prepare(Q, eng.ids, mode="prophetkv", recompute_ratio=0.3)
+    layout = prepared.layout
+    cache = lm.family.prefill(layout.input_ids).cache
+    p = layout.prefix_len
+    cut = {}
+    for seg in layout.chunk_segments():
+        keys = [rerotate(cache.layers[i].keys[0, :, seg.start:seg.end].float(), p - seg.start, lm.family.inv_freq(i))
+                for i in range(lm.num_layers)]
+        values = [cache.layers[i].values[0, :, seg.start:seg.end].float() for i in range(lm.num_layers)]
+        cut[seg.chunk_id] = ChunkKV(keys, values, seg.ids, seg.offsets, p)
+    got = query_attention(prepared, cut)
+    query_rows = torch.arange(layout.chunk_segments()[-1].end, layout.num_tokens)
+    ref = attention_from_rows(lm, layout.input_ids, query_rows, list(range(lm.num_layers)))
+    chunk_rows = layout.chunk_rows()
+    per_layer = torch.stack([ref[i][chunk_rows] / ref[i][chunk_rows].sum() for i in range(lm.num_layers)])
+    torch.testing.assert_close(got, per_layer.mean(dim=0).float(), atol=2e-5, rtol=1e-4)
+
+
+def test_the_fusion_rule_is_a_validated_setting(eng):
+    with pytest.raises(ValueError, match="prophetkv_fuse must be 'mean' or 'max', got 'sum'"):
+        BaselineConfig(prophetkv_fuse="sum")
+    cfg = dataclasses.replace(eng.config, baselines=BaselineConfig(prophetkv_fuse="max"))
+    with CacheClipEngine(eng.primary.lm, eng.aux.lm, eng.store.backend.root, cfg) as other:
+        ans = other.answer(Q, chunk_ids=eng.ids, mode="prophetkv", recompute_ratio=0.3, max_new_tokens=1)
+    assert ans.mode == "prophetkv"
