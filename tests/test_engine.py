@@ -207,3 +207,20 @@ def test_bf16_storage_round_trip(tiny_pair, tmp_path):
     assert 0 < (a - b).abs().max() < 0.05 * a.abs().max()
     with pytest.raises(ValueError, match="kv_dtype"):
         StoreConfig(kv_dtype="int8")
+
+
+def test_an_abandoned_stream_leaves_the_threads_grad_mode_alone(tiny_pair, tmp_path):
+    """A stream read for one piece and dropped (a client gone, a bench's first-token probe) must
+    not leave the consuming thread in inference mode, nor switch it back later when collected."""
+    import gc
+
+    with CacheClipEngine(*tiny_pair, tmp_path, EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4))) as eng:
+        ids = eng.ingest(["The blue key is in the kitchen drawer; the code is 4721-9930."], progress=False)
+        stream = eng.stream("what is the code?", chunk_ids=ids, max_new_tokens=6)
+        next(stream)
+        assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        with torch.inference_mode():
+            del stream
+            gc.collect()
+            assert torch.is_inference_mode_enabled()  # a late exit did not switch it off here
+        assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()

@@ -36,7 +36,7 @@ class Answer:
     text: str
     chunk_ids: list[str]
     mode: str
-    recompute_ratio: float
+    recompute_ratio: float | str
     timings: dict[str, float]
     recomputed: list[int]
     prompt_tokens: int
@@ -115,10 +115,12 @@ def run(prepared: Prepared, selector: Selector, pool: Executor | None) -> Iterat
     request.trace.extend(executed.plan.trace)
     request.timings["ttft"] = time.perf_counter() - t0
     t = time.perf_counter()
-    with torch.inference_mode():
-        for _, piece in decode(prepared.primary.lm, executed.step, executed.logits, request.options):
-            request.generated += 1
-            yield piece
+    # `decode` enters inference mode around each of its steps itself: a `with` held across this
+    # generator's yields would leave the consuming thread in inference mode while it is suspended,
+    # and an abandoned stream's late exit would switch it back in whatever thread collects it.
+    for _, piece in decode(prepared.primary.lm, executed.step, executed.logits, request.options):
+        request.generated += 1
+        yield piece
     request.timings["decode"] = time.perf_counter() - t
     request.timings["total"] = time.perf_counter() - t0
 
