@@ -70,6 +70,17 @@ def test_stage_one_reads_a_full_prefills_query_attention(eng):
     torch.testing.assert_close(got, per_layer.mean(dim=0).float(), atol=2e-5, rtol=1e-4)
 
 
+def test_max_fusion_is_a_bench_variant_on_the_same_samples(eng):
+    import cacheclip_rag.eval  # noqa: F401  (registers prophetkv-max)
+
+    prepared = eng.prepare(Q, eng.ids, mode="prophetkv", recompute_ratio=0.3)
+    mean, top = query_attention(prepared, fuse="mean"), query_attention(prepared, fuse="max")
+    assert mean.shape == top.shape and bool((top >= mean - 1e-6).all())  # max over layers >= their mean
+    ans = eng.answer(Q, chunk_ids=eng.ids, mode="prophetkv-max", recompute_ratio=0.3, max_new_tokens=1)
+    expected = prepared.layout.chunk_rows()[torch.topk(top, round(0.3 * top.numel())).indices]
+    assert set(ans.recomputed) & set(prepared.layout.chunk_rows().tolist()) == set(expected.tolist())
+
+
 def test_the_fusion_rule_is_a_validated_setting(eng):
     with pytest.raises(ValueError, match="prophetkv_fuse must be 'mean' or 'max', got 'sum'"):
         BaselineConfig(prophetkv_fuse="sum")

@@ -120,6 +120,8 @@ def test_eight_concurrent_streams_get_the_one_by_one_answers(served):
     ({"messages": "hello"}, 400, "messages"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "user", "content": QUESTION}], "recompute_ratio": 1.5}, 400, "recompute_ratio"),
+    ({"messages": [{"role": "user", "content": QUESTION}], "recompute_ratio": "most"}, 400, "recompute_ratio"),
+    ({"messages": [{"role": "user", "content": QUESTION}], "recompute_ratio": "auto", "mode": "random"}, 400, "'auto'"),
     ({"messages": [{"role": "user", "content": QUESTION}], "mode": "nope"}, 400, "mode"),
     ({"messages": [{"role": "user", "content": QUESTION}], "max_tokens": "many"}, 400, "max_tokens"),
     ({"messages": [{"role": "robot", "content": QUESTION}]}, 400, "role"),

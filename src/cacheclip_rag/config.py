@@ -35,6 +35,9 @@ class ChunkConfig:
 
 AUX_CONTEXTS = ("chunk", "joint")
 
+DEFAULT_AUTO_SHARE = 0.5
+"""The aux attention mass recompute_ratio="auto" covers where no calibrated profile sets one."""
+
 
 @dataclass(frozen=True)
 class SelectConfig:
@@ -53,6 +56,10 @@ class SelectConfig:
         and carries what one chunk says into its reading of the next. "joint" needs the whole
         request within the aux model's positions; a longer one is scored per chunk.
     window, tau: grouping window w and density threshold tau (paper defaults 8 and 5).
+    auto_share, auto_floor, auto_cap: recompute_ratio="auto" recomputes the fewest top-scored
+        tokens that hold `auto_share` of the aux attention mass on the chunks, as a fraction of
+        the chunk tokens kept within [auto_floor, auto_cap]; auto_share None: the calibrated
+        profile's, else `DEFAULT_AUTO_SHARE`.
     chunk_start_tokens: also recompute the first n tokens of every chunk (experimental, default
         0): each chunk was prefilled as the start of its own sequence, so its first tokens carry
         attention-sink K/V that full attention would not have there (EPIC's argument). They are
@@ -67,6 +74,10 @@ class SelectConfig:
     window: int = 8
     tau: int = 5
     chunk_start_tokens: int = 0
+    auto_share: float | None = None
+    auto_floor: float = 0.05
+    auto_cap: float = 0.5
+
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_start_tokens, int) or isinstance(self.chunk_start_tokens, bool) \
@@ -82,6 +93,13 @@ class SelectConfig:
             ):
                 raise ValueError(f"score_layers must be a non-empty tuple of layer indices or None, got {self.score_layers!r}")
             object.__setattr__(self, "score_layers", tuple(self.score_layers))
+        for name in ("auto_share", "auto_floor", "auto_cap"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0.0 < value <= 1.0):
+                raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+        if self.auto_floor > self.auto_cap:
+            raise ValueError(f"auto_floor ({self.auto_floor}) must not exceed auto_cap ({self.auto_cap})")
         for name, allowed in (("head_agg", ("mean", "max")), ("row_agg", ("mean", "max")), ("normalize", ("none", "chunk")),
                               ("context", AUX_CONTEXTS)):
             if getattr(self, name) not in (*allowed, None):
@@ -281,12 +299,20 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
 
 
-def check_ratio(ratio: float) -> float:
-    """Validate a recompute ratio at the public boundary."""
+AUTO = "auto"
+"""The recompute_ratio that lets the selector decide per request how much to recompute."""
+
+
+def check_ratio(ratio: float | str) -> float | str:
+    """Validate a recompute ratio at the public boundary: a number in [0, 1], or "auto"."""
+    if ratio == AUTO:
+        return AUTO
+    if isinstance(ratio, bool):
+        raise ValueError(f"recompute_ratio must be a number in [0, 1] or 'auto', got {ratio!r}")
     try:
         value = float(ratio)
     except (TypeError, ValueError):
-        raise ValueError(f"recompute_ratio must be a number in [0, 1], got {ratio!r}") from None
+        raise ValueError(f"recompute_ratio must be a number in [0, 1] or 'auto', got {ratio!r}") from None
     if not 0.0 <= value <= 1.0:  # also rejects NaN
         raise ValueError(f"recompute_ratio must be in [0, 1], got {ratio!r}")
     return value

@@ -28,7 +28,8 @@ class EngineLLMFields(BaseModel):
 
     engine: Any = Field(exclude=True, description="a cacheclip_rag.CacheClipEngine")
     mode: str = DEFAULTS.mode
-    recompute_ratio: float = DEFAULTS.recompute_ratio
+    recompute_ratio: float | str = Field(default=DEFAULTS.recompute_ratio,
+                                         description='a number in [0, 1], or "auto" (the selector decides per request)')
     max_new_tokens: int = DEFAULTS.max_new_tokens
     temperature: float = DEFAULTS.temperature
     k: int | None = Field(default=None, description="chunks to retrieve for a bare question (engine default when None)")

@@ -17,6 +17,7 @@ from typing import ClassVar
 
 import torch
 
+from .config import AUTO
 from .prepared import Prepared
 from .recompute import ApeSpec, BlendSpec
 
@@ -54,13 +55,15 @@ class Selector:
     more than full attention costs (shown starred in tables). row_set: the plan is a set of rows
     and nothing else, so an analysis can replay it (teacher-forced fidelity). packets: the request
     runs on KV Packet caches (each chunk wrapped in the trained adapters; its layout holds their
-    soft rows), so it needs the engine's adapters.
+    soft rows), so it needs the engine's adapters. adaptive: takes recompute_ratio="auto" (the
+    plan decides how many rows from its own scores); other methods refuse it.
     """
 
     name: ClassVar[str]
     fixed_ratio: ClassVar[float | None] = None
     uses_aux: ClassVar[bool] = False
     packets: ClassVar[bool] = False
+    adaptive: ClassVar[bool] = False
     analysis_only: ClassVar[bool] = False
     row_set: ClassVar[bool] = True
 
@@ -74,16 +77,17 @@ class Selector:
         without chunks), every chunk row at ratio 1 (the oracles: direct reuse, full prefill)."""
         if self.fixed_ratio is not None:
             return self.plan(prepared)
-        chunk_rows = prepared.layout.chunk_rows()
-        if chunk_rows.numel() == 0 or prepared.request.ratio <= 0:
+        chunk_rows, ratio = prepared.layout.chunk_rows(), prepared.request.ratio
+        if chunk_rows.numel() == 0 or (ratio != AUTO and ratio <= 0):
             return Plan()
-        if prepared.request.ratio >= 1:
+        if ratio != AUTO and ratio >= 1:
             return Plan(rows=chunk_rows)
         return self.plan(prepared)
 
     def wants_aux(self, prepared: Prepared) -> bool:
         """Whether this request's plan needs the aux model (it is skipped at ratio 0 or 1)."""
-        return self.uses_aux and 0 < prepared.request.ratio < 1 and bool(prepared.layout.chunk_segments())
+        ratio = prepared.request.ratio
+        return self.uses_aux and (ratio == AUTO or 0 < ratio < 1) and bool(prepared.layout.chunk_segments())
 
 
 _REGISTRY: dict[str, Selector] = {}

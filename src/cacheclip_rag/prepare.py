@@ -15,7 +15,7 @@ from . import packets as packet_lib
 from . import plan
 from .assemble import Layout, build_layout
 from .caches import ChunkCaches
-from .config import EngineConfig, SelectConfig
+from .config import AUTO, EngineConfig, SelectConfig
 from .encode import chat_frame, tokenize
 from .prepared import Prepared
 from .recognize import ChunkMatcher
@@ -119,7 +119,12 @@ class Preparer:
             scoring_layers(self.aux.lm, opts.score_layers)  # range check against the aux model
         request = Request.of(opts, None, chunk_ids, pieces, aux_query)
         primary = self.primary
-        if plan.get(opts.mode).packets:  # also the check that the mode is registered
+        selector = plan.get(opts.mode)  # a ValueError naming the modes for an unknown one
+        if opts.recompute_ratio == AUTO and not selector.adaptive and selector.fixed_ratio is None:
+            adaptive = [m for m in plan.modes() if plan.get(m).adaptive]
+            raise ValueError(f"recompute_ratio 'auto' needs a mode that sizes its own budget ({adaptive}); "
+                             f"mode {opts.mode!r} takes a number in [0, 1]")
+        if selector.packets:
             if self.packets is None:
                 raise ValueError(f"mode {opts.mode!r} needs KV Packet adapters for {primary.lm.name!r}: none ship for "
                                  "it; train them with `cacheclip train packet --out FILE` and set EngineConfig.packets")

@@ -24,7 +24,7 @@ from types import MappingProxyType
 from typing import Any
 
 from . import lora
-from .config import AUX_CONTEXTS, SelectConfig
+from .config import AUX_CONTEXTS, DEFAULT_AUTO_SHARE, SelectConfig
 from .models import EMBEDDED
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ class Profile:
     aux_layers: the aux layers whose query-to-chunk attention is averaged.
     head_agg, row_agg, normalize, context: as `SelectConfig`'s fields of those names.
     lengths: the request lengths (tokens) of the calibration inputs.
+    auto_share: the aux attention mass recompute_ratio="auto" covers (`calibrate.calibrate_share`:
+        the share whose mean recomputed fraction on calibration inputs equals a fixed ratio's).
     source: "store", "shipped", or "shipped for the base primary" (a tuned primary's fallback).
     measured: what calibration measured (criterion, kl, baselines, ...), for reports only.
     """
@@ -60,6 +62,7 @@ class Profile:
     normalize: str = "none"
     context: str = "chunk"
     lengths: tuple[int, ...] = (DEFAULT_LENGTH,)
+    auto_share: float | None = None
     primary_name: str = ""
     aux_name: str = ""
     created: str = ""
@@ -76,6 +79,9 @@ class Profile:
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"profile {name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
+        share = self.auto_share
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1):
+            raise ValueError(f"profile auto_share must be a number in (0, 1] or absent, got {share!r}")
         object.__setattr__(self, "measured", MappingProxyType(dict(self.measured)))
 
     @property
@@ -163,14 +169,15 @@ def nearest(profiles: Iterable[Profile], n_tokens: int | None = None) -> Profile
 
 def resolve(cfg: SelectConfig, profile: Profile | None) -> SelectConfig:
     """`cfg` with every scoring field set: its own value, else the profile's, else the default
-    (last layer, "mean", "mean", "none", "chunk")."""
+    (last layer, "mean", "mean", "none", "chunk"; auto_share `DEFAULT_AUTO_SHARE`)."""
     def pick(name: str, default: str) -> str:
         return getattr(cfg, name) or (getattr(profile, name) if profile else None) or default
 
     layers = cfg.score_layers or (profile.aux_layers if profile else None) or (-1,)
+    share = cfg.auto_share or (profile.auto_share if profile else None) or DEFAULT_AUTO_SHARE
     return dataclasses.replace(cfg, score_layers=tuple(layers), head_agg=pick("head_agg", "mean"),
                                row_agg=pick("row_agg", "mean"), normalize=pick("normalize", "none"),
-                               context=pick("context", "chunk"))
+                               context=pick("context", "chunk"), auto_share=share)
 
 
 def shipped(primary_name: str, aux_name: str) -> list[Profile]:

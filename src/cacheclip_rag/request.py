@@ -15,12 +15,17 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from .assemble import TEMPLATE
-from .config import AUX_CONTEXTS, BUDGETS, PromptConfig, SelectConfig, check_budget, check_ratio
+from .config import AUTO, AUX_CONTEXTS, BUDGETS, PromptConfig, SelectConfig, check_budget, check_ratio
 from .generate import DecodeOptions
 
 Piece = tuple[str, "str | None"]
 """(text, chunk id) for a stored chunk's text, (text, None) for text computed for this request,
 (text, TEMPLATE) for template text between a chat's turns (computed, special tokens parsed)."""
+
+
+def ratio_arg(text: str) -> float | str:
+    """A recompute ratio as the command line gives it: a number, or "auto"."""
+    return AUTO if text == AUTO else float(text)
 
 
 def _option(default, help: str, **cli):
@@ -38,8 +43,9 @@ class RequestOptions:
     """
 
     mode: str = _option("cacheclip", "the KV method: a registered selector (`CacheClipEngine.modes()`)")
-    recompute_ratio: float = _option(0.2, "share of the chunk tokens the primary recomputes, in [0, 1]",
-                                     flags=("--recompute-ratio", "--ratio"), type=float)
+    recompute_ratio: float | str = _option(0.2, "share of the chunk tokens the primary recomputes, in [0, 1], or "
+                                                "'auto': the selector decides per request (cacheclip)",
+                                           flags=("--recompute-ratio", "--ratio"), type=ratio_arg)
     max_new_tokens: int = _option(128, "most tokens generated", type=int)
     temperature: float = _option(0.0, "sampling temperature; 0 is greedy", type=float)
     stop: tuple[str, ...] = _option((), "strings that end the text", nargs="+")
@@ -179,7 +185,8 @@ class Request:
     """Per-request state, created by each call, so concurrent requests share nothing mutable."""
 
     mode: str
-    ratio: float
+    ratio: float | str
+    """The recompute ratio asked for: a number in [0, 1], or "auto" (the selector decides)."""
     chunk_ids: list[str]
     pieces: list[Piece]
     aux_query: str

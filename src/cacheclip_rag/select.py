@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .config import SelectConfig
+from .config import AUTO, SelectConfig
 from .models import LoadedModel
 from cacheclip_kernels import causal_position_mask
 
@@ -307,10 +307,32 @@ def select(
 ) -> list[ChunkSelection]:
     """Score, pick candidates and group, per chunk, in aux token space. cfg: resolved
     (SelectConfig.resolve), so its scoring layers and aggregations are all set."""
+    scores = aux_scores(aux, cfg, aux_prefix, aux_chunks, query_ids)
+    if ratio == AUTO:
+        ratio = mass_ratio(scores, cfg.auto_share, cfg.auto_floor, cfg.auto_cap)
+    return pick(scores, ratio, cfg, budget)
+
+
+def aux_scores(aux: LoadedModel, cfg: SelectConfig, aux_prefix: ChunkKV, aux_chunks: list[ChunkKV],
+               query_ids: torch.Tensor) -> list[torch.Tensor]:
+    """One score per aux token of each chunk, as `cfg` (resolved) scores them: [T_i] per chunk."""
     score = score_joint_by_layer if cfg.context == "joint" else score_chunks_by_layer
     per_layer = score(aux, aux_prefix, aux_chunks, query_ids, cfg.score_layers, cfg.head_agg, cfg.row_agg)
-    scores = mean_over_layers(per_layer)
-    return pick(normalized(scores, cfg.normalize), ratio, cfg, budget)
+    return normalized(mean_over_layers(per_layer), cfg.normalize)
+
+
+def mass_ratio(scores: list[torch.Tensor], share: float, floor: float, cap: float) -> float:
+    """recompute_ratio "auto": the fraction of tokens that the fewest top-scored ones holding
+    `share` of the total score mass make up, kept within [floor, cap]. A question whose answer
+    sits in one place concentrates its mass on few tokens and recomputes little; one that reads
+    several places spreads it and recomputes more."""
+    flat = torch.cat(scores).float()
+    total = float(flat.sum())
+    if flat.numel() == 0 or total <= 0:
+        return cap
+    cum = torch.cumsum(torch.sort(flat, descending=True).values, 0)
+    needed = int(torch.searchsorted(cum, share * total).item()) + 1
+    return min(max(needed / flat.numel(), floor), cap)
 
 
 def normalized(scores: list[torch.Tensor], how: str) -> list[torch.Tensor]:

@@ -83,7 +83,7 @@ class Options(BaseModel):
     stream_options: dict | None = None
     # CacheClip's per-request options (`RequestOptions`; unset: its defaults), and which chunks.
     mode: str | None = None
-    recompute_ratio: float | None = None
+    recompute_ratio: float | Literal["auto"] | None = None
     epic_tokens: int | None = None
     budget: str | None = None
     score_layers: list[int] | None = None

@@ -10,6 +10,7 @@ from ..config import ChunkConfig
 from ..eval import oracle  # noqa: F401  (registers the analysis-only oracle mode for bench and ask)
 from ..hardware import describe as describe_cpu
 from ..paths import cache_dir
+from ..request import ratio_arg
 from .common import add_common, engine_from_args, progress_bar
 
 
@@ -34,6 +35,9 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--from applies to `bench niah`, not `bench {args.what}`")
     if args.what not in ("niah", "fidelity", "deviation") and args.versus:
         raise ValueError(f"--versus applies to `bench niah`, `fidelity` and `deviation`, not `bench {args.what}`")
+    if args.frontier and args.what != "niah":
+        raise ValueError(f"--frontier applies to `bench niah`, not `bench {args.what}`")
+    args.ratios = args.ratios or (FRONTIER_RATIOS if args.frontier else [0.2])
     if args.what == "alignment":
         from ..eval import alignment
         from ..models import load
@@ -157,7 +161,8 @@ def _bench_niah(args) -> int:
         results = needle.load(args.from_json)
     else:
         engine = engine_from_args(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
-        modes = _mode_list(args.modes or ["full", "reuse", "ape", "cacheblend", "epic", "random", "cacheclip"], args.ratios)
+        default = FRONTIER_MODES if args.frontier else ["full", "reuse", "ape", "cacheblend", "epic", "random", "cacheclip"]
+        modes = _mode_list(args.modes or default, args.ratios)
         results = needle.run(engine, modes, variants=args.variants, lengths=args.lengths, samples=args.samples,
                              seed=args.seed, max_new_tokens=args.max_new_tokens, progress=progress(args),
                              budget=args.budget)
@@ -167,6 +172,8 @@ def _bench_niah(args) -> int:
                           "Paired differences on the same samples (x100; 95% stratified bootstrap interval):")
     if args.json:
         needle.write_json(results, rows, args.json, pairs)
+    if args.frontier:
+        _print_frontier(args, rows)
     if args.plot:
         from ..eval import plots
 
@@ -174,6 +181,24 @@ def _bench_niah(args) -> int:
         plots.quality_vs_ratio(rows, stem.with_name(stem.stem + "-quality.png"))
         plots.ttft_breakdown(rows, stem.with_name(stem.stem + "-ttft.png"))
     return 0
+
+
+FRONTIER_MODES = ["full", "reuse", "cacheblend", "epic", "random", "cacheclip", "prophetkv"]
+"""`bench niah --frontier`'s modes when none are given (the packet modes join with --modes)."""
+FRONTIER_RATIOS = [0.1, 0.2, 0.3, 0.4]
+
+
+def _print_frontier(args, rows: list[dict]) -> None:
+    """Per length: each mode's score at the TTFT budget and the Pareto frontier (and a plot)."""
+    from ..eval import frontier
+
+    for length in sorted({r["length"] for r in rows}):
+        pts = frontier.points([r for r in rows if r["length"] == length])
+        print("\n" + frontier.table(pts, args.budget_ttft, length))
+        if args.plot:
+            stem = Path(args.plot)
+            frontier.plot(pts, str(stem.with_name(f"{stem.stem}-frontier-{length}.png")), args.budget_ttft,
+                          f"Needle suite, {length} tokens")
 
 
 def cmd_eval(args) -> int:
@@ -202,7 +227,13 @@ def add_commands(sub) -> None:
     p.add_argument("--modes", nargs="+", default=None, help=f"modes to compare (from {list(plan.modes())}, and cacheclip-paper: last aux layer, paper rule; cacheclip-joint: "
                    "the aux query reads all chunks at once); "
                    "full is always run")
-    p.add_argument("--ratios", type=float, nargs="+", default=[0.2], help="recompute ratios for ratio modes")
+    p.add_argument("--ratios", type=ratio_arg, nargs="+", default=None,
+                   help="recompute ratios for ratio modes (auto: the selector decides per request; cacheclip); "
+                        "default 0.2, with --frontier 0.1 0.2 0.3 0.4")
+    p.add_argument("--frontier", action="store_true",
+                   help="niah: every mode over the ratios, placed at its measured TTFT / full; prints each mode's "
+                        "score at --budget-ttft and the Pareto frontier (plot with --plot)")
+    p.add_argument("--budget-ttft", type=float, default=0.25, help="the TTFT / full budget the frontier is read at")
     p.add_argument("--variants", nargs="+", default=None, help="needle variants (default: all eight)")
     p.add_argument("--budget", choices=["paper", "keep"], default="keep",
                    help="selection budget rule of cacheclip and oracle (keep: compare at equal effective fractions)")

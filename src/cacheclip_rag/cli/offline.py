@@ -25,9 +25,17 @@ def cmd_models(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from ..calibrate import calibrate, table
+    from ..calibrate import calibrate, calibrate_share, table
 
     engine = engine_from_args(args)
+    if args.auto_share:
+        profiles = calibrate_share(engine, tuple(args.lengths), args.samples, ratio=args.ratio)
+        for profile in profiles:
+            print(f"auto share {profile.auto_share:.4f} at {list(profile.lengths)} tokens ({profile.describe()}): "
+                  f"recompute_ratio='auto' spends {args.ratio} on average; saved with the store {engine.store.location}")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"profiles": [p.to_dict() for p in profiles]}, indent=2))
+        return 0
     profile, scores = calibrate(engine, tuple(args.lengths), args.samples, ratio=args.ratio, max_run=args.max_run,
                                 criterion=args.criterion)
     print(table(scores, engine.aux.lm.num_layers))
@@ -99,6 +107,9 @@ def add_commands(sub) -> None:
     p.add_argument("--max-run", type=int, default=3, help="longest run of adjacent aux layers tried")
     p.add_argument("--criterion", choices=["kl", "hard"], default="kl",
                    help="kl: mean KL over the answer; hard: divergence left where reuse diverges most")
+    p.add_argument("--auto-share", action="store_true",
+                   help="only calibrate recompute_ratio='auto' for the profile in use at each length: the aux "
+                        "attention share whose mean recomputed fraction is --ratio")
     p.add_argument("--json", default=None)
     p.set_defaults(func=cmd_calibrate)
 

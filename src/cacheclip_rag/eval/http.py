@@ -21,6 +21,7 @@ import httpx
 from ..engine import CacheClipEngine
 from ..haystack import needle_context
 from ..server import BackgroundServer, create_app
+from .needle import ratio_text
 
 
 @dataclass
@@ -95,7 +96,7 @@ def table(rows: list[HttpRow]) -> str:
     head = f"{'len':>5} {'mode':<20} {'runs':>4} {'engine TTFT':>11} {'HTTP TTFT':>10} {'HTTP/engine':>11} {'same text':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        label = r.mode if r.mode in ("full", "reuse", "packet") else f"{r.mode}@{r.ratio:g}"
+        label = r.mode if r.mode in ("full", "reuse", "packet") else f"{r.mode}@{ratio_text(r.ratio)}"
         lines.append(f"{r.length:>5} {label:<20} {r.runs:>4} {r.engine_ttft:>10.3f}s {r.http_ttft:>9.3f}s "
                      f"{r.http_vs_engine:>11.3f} {'yes' if r.same_text else 'NO':>9}")
     return "\n".join(lines)

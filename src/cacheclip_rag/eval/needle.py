@@ -182,8 +182,18 @@ def label(mode: str, ratio: float) -> str:
         return f"{tag}/{label(inner, ratio)}"
     selector = plan.get(mode) if mode in plan.modes() else None
     if selector is not None and selector.analysis_only:
-        return f"{mode}@{ratio:g}*"  # analysis only: costs more than full attention
-    return mode if selector is not None and selector.fixed_ratio is not None else f"{mode}@{ratio:g}"
+        return f"{mode}@{ratio_text(ratio)}*"  # analysis only: costs more than full attention
+    return mode if selector is not None and selector.fixed_ratio is not None else f"{mode}@{ratio_text(ratio)}"
+
+
+def ratio_text(ratio: float | str) -> str:
+    """0.2 -> "0.2"; "auto" stays "auto"."""
+    return ratio if isinstance(ratio, str) else f"{ratio:g}"
+
+
+def ratio_order(ratio: float | str) -> tuple:
+    """A sort key that puts numeric ratios in order and "auto" after them."""
+    return (1, 0.0) if isinstance(ratio, str) else (0, float(ratio))
 
 
 def _key(r: NeedleResult) -> tuple[int, str, float]:
@@ -194,7 +204,7 @@ def summarize(results: list[NeedleResult]) -> list[dict]:
     """One row per (length, mode, ratio): per-variant means, average and its 95% interval, % of
     full, eff%, TTFT/full, wins and losses against reuse on the same samples."""
     rows = []
-    keys = sorted({_key(r) for r in results}, key=lambda k: (k[0], k[1] != "full", k[1], k[2]))
+    keys = sorted({_key(r) for r in results}, key=lambda k: (k[0], k[1] != "full", k[1], ratio_order(k[2])))
     for length, mode, ratio in keys:
         sel = [r for r in results if _key(r) == (length, mode, ratio)]
         by_variant = by_variants(sel, "score")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..engine import CacheClipEngine
 from ..haystack import needle_context
-from .needle import request_for, uses_packets
+from .needle import ratio_text, request_for, uses_packets
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 class TTFTRow:
     length: int
     mode: str
-    ratio: float
+    ratio: float | str
     prompt_tokens: int
     runs: int
     ttft_median: float
@@ -152,7 +152,7 @@ def table(rows: list[TTFTRow]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.length:>5} {r.mode:<15} {r.ratio:>5.2f} {r.prompt_tokens:>6} {r.ttft_median:>7.3f} "
+            f"{r.length:>5} {r.mode:<15} {_ratio_cell(r.ratio):>5} {r.prompt_tokens:>6} {r.ttft_median:>7.3f} "
             f"{f'[{r.ttft_min:.2f}-{r.ttft_max:.2f}]':>13} {r.vs_full:>6.3f} {r.selection:>6.3f} {r.selection_hidden:>6.3f} "
             f"{r.load:>6.3f} {r.assemble:>6.3f} {r.load_wait:>6.3f} {r.recompute:>6.3f} {r.peak_mb:>7.1f} "
             f"{100 * r.effective_fraction:>5.1f} {r.correct:>4.2f}"
@@ -166,14 +166,15 @@ def plot(rows: list[TTFTRow], path: str | Path) -> None:
 
     stem = Path(path)
     plots.ttft_breakdown(
-        [dict(label=r.mode if r.mode in ("full", "reuse", "ape") else f"{r.mode}@{r.ratio:g}", length=r.length,
+        [dict(label=r.mode if r.mode in ("full", "reuse", "ape") else f"{r.mode}@{ratio_text(r.ratio)}", length=r.length,
               selection=max(0.0, r.selection - r.selection_hidden), load=r.load, assemble=r.load_wait,
               recompute=r.recompute, ttft=r.ttft_median) for r in rows],
         stem.with_name(stem.stem + "-breakdown.png"),
         title="TTFT breakdown (selection: the part not hidden; assemble: time waited for layers)",
     )
     plots.ratio_curve(
-        [(r.length, r.mode, r.ratio, r.vs_full) for r in rows if r.mode not in ("full", "reuse", "ape")],
+        [(r.length, r.mode, r.ratio, r.vs_full) for r in rows
+         if r.mode not in ("full", "reuse", "ape") and not isinstance(r.ratio, str)],
         stem.with_name(stem.stem + "-ratio.png"),
         ylabel="TTFT / TTFT(full)",
         title="TTFT relative to full prefill vs recompute ratio",
@@ -182,3 +183,7 @@ def plot(rows: list[TTFTRow], path: str | Path) -> None:
 
 def write_json(rows: list[TTFTRow], path: str | Path) -> None:
     Path(path).write_text(json.dumps([asdict(r) for r in rows], indent=2))
+
+
+def _ratio_cell(ratio: float | str) -> str:
+    return ratio if isinstance(ratio, str) else f"{ratio:.2f}"

@@ -23,16 +23,15 @@ log = logging.getLogger(__name__)
 class CacheClip(Selector):
     name = "cacheclip"
     uses_aux = True
+    adaptive = True  # recompute_ratio "auto": `select.mass_ratio` over the aux scores
 
     def plan(self, prepared) -> Plan:
         start = time.perf_counter()
-        request, aux = prepared.request, prepared.aux
+        request = prepared.request
         segments = prepared.layout.chunk_segments()
-        deepest = max(scoring_layers(aux.lm, request.select.score_layers)) + 1
-        aux_kvs = prepared.aux_kvs(layers=deepest)  # scoring stops there; so does reading
-        query_ids = prepared.aux_query_ids()
-        cfg = _fitting(request.select, prepared, aux_kvs, query_ids)
-        picks = select(aux.lm, cfg, request.ratio, prepared.aux_prefix_kv(), aux_kvs, query_ids, budget=request.budget)
+        cfg, aux_kvs, query_ids = self.scoring(prepared)
+        picks = select(prepared.aux.lm, cfg, request.ratio, prepared.aux_prefix_kv(), aux_kvs, query_ids,
+                       budget=request.budget)
         rows, trace = [], []
         for seg, aux_kv, pick in zip(segments, aux_kvs, picks):
             text_rows = seg.ids >= 0  # a packet's soft rows (negative ids) hold no text: never picked
@@ -45,6 +44,18 @@ class CacheClip(Selector):
             ))
         return Plan(rows=torch.cat(rows), score_layers=request.select.score_layers, trace=tuple(trace),
                     seconds=time.perf_counter() - start)
+
+
+    @staticmethod
+    def scoring(prepared) -> tuple[SelectConfig, list, torch.Tensor]:
+        """What the aux model scores a request with: the request's selection config (per chunk where
+        the joint sequence would not fit the aux model), the chunks' aux caches up to the deepest
+        scoring layer, and the query's aux tokens. Calibration scores through this too."""
+        aux = prepared.aux
+        deepest = max(scoring_layers(aux.lm, prepared.request.select.score_layers)) + 1
+        aux_kvs = prepared.aux_kvs(layers=deepest)  # scoring stops there; so does reading
+        query_ids = prepared.aux_query_ids()
+        return _fitting(prepared.request.select, prepared, aux_kvs, query_ids), aux_kvs, query_ids
 
 
 def _fitting(cfg: SelectConfig, prepared, aux_kvs, query_ids: torch.Tensor) -> SelectConfig:

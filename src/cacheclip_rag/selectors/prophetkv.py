@@ -35,11 +35,15 @@ from ..recompute import recompute_rows
 
 
 class ProphetKV(Selector):
+    """fuse: the fusion over layers, or None for the engine config's (`BaselineConfig.prophetkv_fuse`);
+    a subclass fixing it is how a bench compares the two on the same samples."""
+
     name = "prophetkv"
+    fuse: str | None = None
 
     def plan(self, prepared) -> Plan:
         start = time.perf_counter()
-        scores = query_attention(prepared)
+        scores = query_attention(prepared, fuse=self.fuse)
         chunk_rows = prepared.layout.chunk_rows()
         k = round(prepared.request.ratio * chunk_rows.numel())
         top = torch.topk(scores, k).indices if k > 0 else torch.empty(0, dtype=torch.long)
@@ -47,11 +51,12 @@ class ProphetKV(Selector):
 
 
 @torch.inference_mode()
-def query_attention(prepared, chunk_kvs: dict | None = None) -> torch.Tensor:
+def query_attention(prepared, chunk_kvs: dict | None = None, fuse: str | None = None) -> torch.Tensor:
     """Stage one and the fusion: one score per chunk row, [C] in `layout.chunk_rows()` order.
-    chunk_kvs: chunk id -> cache to assemble from instead of the stored ones (for the oracle test)."""
+    chunk_kvs: chunk id -> cache to assemble from instead of the stored ones (for the oracle test).
+    fuse: "mean" or "max" over layers; None: the engine config's."""
     lm, layout = prepared.primary.lm, prepared.layout
-    fuse = prepared.config.baselines.prophetkv_fuse
+    fuse = fuse or prepared.config.baselines.prophetkv_fuse
     cache = assemble(lm, layout, prepared.prefix_kv(), chunk_kvs or prepared.chunk_kvs())
     chunk_rows = layout.chunk_rows()
     query_start = layout.chunk_segments()[-1].end

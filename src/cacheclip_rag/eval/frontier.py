@@ -1,0 +1,117 @@
+"""Quality at a time budget: every mode's (TTFT / full, score) points, the Pareto frontier over
+all of them, and each mode's score read off its own curve at a TTFT budget.
+
+A point is one bench row (a mode at one ratio, or "auto"): its median TTFT relative to full
+prefill measured in the same run, and its score (needle: % of full attention's score on the same
+samples) with a 95% interval. A mode's score at a budget B is linear interpolation between its
+two measured points that bracket B in TTFT (the interval's bounds interpolated the same way, an
+approximation: the two points are not independent); a mode whose every point is within B takes
+its best point within B; a mode with none within B has no score there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Point:
+    label: str
+    mode: str
+    ratio: float | str
+    ttft: float
+    """Median TTFT / full prefill's, same run."""
+    score: float
+    low: float
+    high: float
+
+
+def points(rows: list[dict]) -> list[Point]:
+    """Needle bench rows (`needle.summarize`, one length) as points in % of full attention's score,
+    the average's interval scaled the same way; `full` itself is the reference, not a point."""
+    out = []
+    for r in rows:
+        if r["mode"] == "full" or not math.isfinite(r.get("ttft_vs_full", float("nan"))):
+            continue
+        scale = r["pct_of_full"] / r["avg"] if r["avg"] else 1.0
+        low, high = (x * scale for x in r["avg_ci95"])
+        out.append(Point(r["label"], r["mode"], r["ratio"], r["ttft_vs_full"], r["pct_of_full"], low, high))
+    return out
+
+
+def pareto(pts: list[Point]) -> list[Point]:
+    """The points no other point beats on both axes (faster or as fast, and scoring more or as
+    much, one of them strictly), fastest first."""
+    def beaten(p: Point) -> bool:
+        return any(q.ttft <= p.ttft and q.score >= p.score and (q.ttft < p.ttft or q.score > p.score) for q in pts)
+
+    return sorted((p for p in pts if not beaten(p)), key=lambda p: (p.ttft, -p.score))
+
+
+def at_budget(pts: list[Point], budget: float) -> tuple[float, float, float] | None:
+    """(score, low, high) of one mode's points at TTFT = budget (see the module docstring)."""
+    curve = sorted(pts, key=lambda p: p.ttft)
+    within = [p for p in curve if p.ttft <= budget]
+    beyond = [p for p in curve if p.ttft > budget]
+    if not within:
+        return None
+    if not beyond:
+        best = max(within, key=lambda p: p.score)
+        return best.score, best.low, best.high
+    a, b = within[-1], beyond[0]
+    t = (budget - a.ttft) / (b.ttft - a.ttft)
+    return tuple(x + t * (y - x) for x, y in ((a.score, b.score), (a.low, b.low), (a.high, b.high)))
+
+
+def headline(pts: list[Point], budget: float = 0.25) -> list[dict]:
+    """Per mode: its score at the budget with the interval, best first; modes without a point
+    within the budget last."""
+    modes = sorted({p.mode for p in pts})
+    out = []
+    for mode in modes:
+        got = at_budget([p for p in pts if p.mode == mode], budget)
+        out.append(dict(mode=mode, budget=budget, score=got[0] if got else float("nan"),
+                        low=got[1] if got else float("nan"), high=got[2] if got else float("nan")))
+    return sorted(out, key=lambda r: (math.isnan(r["score"]), -r["score"] if not math.isnan(r["score"]) else 0))
+
+
+def table(pts: list[Point], budget: float = 0.25, length: int | None = None) -> str:
+    """The headline (score at the budget per mode), then the frontier's points."""
+    where = f" at {length} tokens" if length else ""
+    lines = [f"score at TTFT <= {budget:g} of full{where} (% of full attention's score, interpolated; 95% CI)",
+             f"{'mode':<20} {'score':>6} {'95% CI':>15}"]
+    for r in headline(pts, budget):
+        if math.isnan(r["score"]):
+            lines.append(f"{r['mode']:<20} {'-':>6} {'(no point within)':>15}")
+        else:
+            ci = "[{:.0f}, {:.0f}]".format(r["low"], r["high"])
+            lines.append(f"{r['mode']:<20} {r['score']:>6.1f} {ci:>15}")
+    lines += ["", "Pareto frontier (no other point is faster and better):", f"{'point':<24} {'TTFT/full':>9} {'score':>6}"]
+    lines += [f"{p.label:<24} {p.ttft:>9.3f} {p.score:>6.1f}" for p in pareto(pts)]
+    return "\n".join(lines)
+
+
+def plot(pts: list[Point], path: str, budget: float = 0.25, title: str = "") -> None:
+    """Score against TTFT / full: each mode's curve, the frontier, the budget line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode in sorted({p.mode for p in pts}):
+        curve = sorted((p for p in pts if p.mode == mode), key=lambda p: p.ttft)
+        ax.errorbar([p.ttft for p in curve], [p.score for p in curve],
+                    yerr=[[p.score - p.low for p in curve], [p.high - p.score for p in curve]],
+                    marker="o", capsize=3, label=mode)
+    front = pareto(pts)
+    ax.plot([p.ttft for p in front], [p.score for p in front], "k--", linewidth=1, label="Pareto frontier")
+    ax.axvline(budget, color="grey", linestyle=":", label=f"TTFT = {budget:g} of full")
+    ax.set_xlabel("TTFT / full prefill (same run)")
+    ax.set_ylabel("% of full attention's score")
+    ax.set_title(title or "Quality at a time budget")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,55 @@
+"""The quality-at-a-time-budget frontier on hand-made bench rows."""
+
+import math
+
+import pytest
+
+from cacheclip_rag.eval import frontier
+
+
+def _row(mode, ratio, ttft, pct, ci=(0.4, 0.6), avg=0.5):
+    return dict(length=2048, mode=mode, ratio=ratio, label=f"{mode}@{ratio}", ttft_vs_full=ttft, pct_of_full=pct,
+                avg=avg, avg_ci95=ci)
+
+
+ROWS = [
+    dict(length=2048, mode="full", ratio=1.0, label="full", ttft_vs_full=1.0, pct_of_full=100.0, avg=0.8,
+         avg_ci95=(0.7, 0.9)),
+    _row("reuse", 0.0, 0.05, 40.0),
+    _row("a", 0.1, 0.15, 60.0), _row("a", 0.2, 0.20, 70.0), _row("a", 0.3, 0.30, 90.0),
+    _row("b", 0.1, 0.22, 80.0), _row("b", 0.2, 0.35, 95.0),
+    _row("c", 0.2, 0.40, 99.0),
+]
+
+
+def test_points_scale_the_interval_to_percent_of_full_and_leave_out_full():
+    pts = frontier.points(ROWS)
+    assert "full" not in {p.mode for p in pts} and len(pts) == 7
+    a1 = next(p for p in pts if p.label == "a@0.1")
+    assert (a1.score, a1.low, a1.high) == pytest.approx((60.0, 48.0, 72.0))  # 0.4 and 0.6 of 0.5 avg -> x120
+
+
+def test_a_modes_score_at_the_budget_is_interpolated_between_its_bracketing_points():
+    pts = frontier.points(ROWS)
+    score, low, high = frontier.at_budget([p for p in pts if p.mode == "a"], 0.25)
+    assert score == pytest.approx(80.0)  # halfway from (0.20, 70) to (0.30, 90)
+    assert (low, high) == pytest.approx((64.0, 96.0))
+    assert frontier.at_budget([p for p in pts if p.mode == "b"], 0.25)[0] == pytest.approx(80 + 15 * 3 / 13)
+    assert frontier.at_budget([p for p in pts if p.mode == "c"], 0.25) is None  # no point within
+    assert frontier.at_budget([p for p in pts if p.mode == "reuse"], 0.25)[0] == 40.0  # all within: its best
+
+
+def test_the_headline_ranks_modes_and_the_frontier_keeps_only_unbeaten_points():
+    pts = frontier.points(ROWS)
+    heads = frontier.headline(pts, 0.25)
+    assert [h["mode"] for h in heads] == ["b", "a", "reuse", "c"] and math.isnan(heads[-1]["score"])
+    assert [p.label for p in frontier.pareto(pts)] == ["reuse@0.0", "a@0.1", "a@0.2", "b@0.1", "a@0.3", "b@0.2", "c@0.2"]
+    text = frontier.table(pts, 0.25, 2048)
+    assert "score at TTFT <= 0.25 of full at 2048 tokens" in text and "(no point within)" in text
+
+
+def test_a_point_beaten_on_both_axes_is_off_the_frontier(tmp_path):
+    pts = frontier.points([_row("x", 0.1, 0.2, 50.0), _row("y", 0.1, 0.1, 60.0), _row("y", 0.2, 0.3, 55.0)])
+    assert [p.label for p in frontier.pareto(pts)] == ["y@0.1"]
+    frontier.plot(pts, str(tmp_path / "f.png"))
+    assert (tmp_path / "f.png").stat().st_size > 1000
