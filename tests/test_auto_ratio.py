@@ -100,3 +100,12 @@ def test_the_auto_share_is_calibrated_to_spend_a_fixed_ratio_on_average(tiny_pai
     assert engine.profile.auto_share == calibrated.auto_share  # stored: requests use it from now on
     assert engine.select_config().auto_share == calibrated.auto_share
     engine.close()
+
+
+def test_bench_mode_lists_give_auto_only_to_modes_that_size_their_budget():
+    from cacheclip_rag.cli.bench import _mode_list
+
+    pairs = _mode_list(["reuse", "cacheblend", "cacheclip"], [0.1, "auto"])
+    assert pairs == [("reuse", 0.0), ("cacheblend", 0.1), ("cacheclip", 0.1), ("cacheclip", "auto")]
+    with pytest.raises(ValueError, match="takes numeric ratios"):
+        _mode_list(["random"], ["auto"])

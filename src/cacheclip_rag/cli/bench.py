@@ -6,7 +6,7 @@ from importlib import resources
 from pathlib import Path
 
 from .. import plan
-from ..config import ChunkConfig
+from ..config import AUTO, ChunkConfig
 from ..eval import oracle  # noqa: F401  (registers the analysis-only oracle mode for bench and ask)
 from ..hardware import describe as describe_cpu
 from ..paths import cache_dir
@@ -14,7 +14,9 @@ from ..request import ratio_arg
 from .common import add_common, engine_from_args, progress_bar
 
 
-def _mode_list(modes: list[str], ratios: list[float]) -> list[tuple[str, float]]:
+def _mode_list(modes: list[str], ratios: list) -> list[tuple[str, float | str]]:
+    """(mode, ratio) pairs: a fixed-ratio mode once, every other mode at every ratio ("auto" only
+    for the modes that size their own budget; a list of only "auto" for others is an error)."""
     from ..eval.needle import BENCH_MODES
 
     out = []
@@ -22,10 +24,13 @@ def _mode_list(modes: list[str], ratios: list[float]) -> list[tuple[str, float]]
         if mode not in (*plan.modes(), *BENCH_MODES):
             raise ValueError(f"mode must be one of {[*plan.modes(), *BENCH_MODES]}, got {mode!r}")
         fixed = plan.get(mode).fixed_ratio if mode not in BENCH_MODES else None
+        adaptive = mode in BENCH_MODES or plan.get(mode).adaptive
         if fixed is not None:
             out.append((mode, fixed))
+        elif not adaptive and all(r == AUTO for r in ratios):
+            raise ValueError(f"mode {mode!r} takes numeric ratios, not only 'auto'")
         else:
-            out.extend((mode, r) for r in ratios)
+            out.extend((mode, r) for r in ratios if adaptive or r != AUTO)
     return out
 
 
