@@ -53,3 +53,9 @@ def test_a_point_beaten_on_both_axes_is_off_the_frontier(tmp_path):
     assert [p.label for p in frontier.pareto(pts)] == ["y@0.1"]
     frontier.plot(pts, str(tmp_path / "f.png"))
     assert (tmp_path / "f.png").stat().st_size > 1000
+
+
+def test_auto_points_are_a_curve_of_their_own():
+    rows = [_row("cacheclip", 0.2, 0.26, 67.0), _row("cacheclip", "auto", 0.29, 73.0)]
+    rows[1]["label"] = "cacheclip@auto"
+    assert sorted(p.mode for p in frontier.points(rows)) == ["cacheclip", "cacheclip@auto"]

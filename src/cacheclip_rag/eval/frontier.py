@@ -1,7 +1,7 @@
 """Quality at a time budget: every mode's (TTFT / full, score) points, the Pareto frontier over
 all of them, and each mode's score read off its own curve at a TTFT budget.
 
-A point is one bench row (a mode at one ratio, or "auto"): its median TTFT relative to full
+A point is one bench row (a mode at one ratio, or at "auto", which is a curve of its own): its median TTFT relative to full
 prefill measured in the same run, and its score (needle: % of full attention's score on the same
 samples) with a 95% interval. A mode's score at a budget B is linear interpolation between its
 two measured points that bracket B in TTFT (the interval's bounds interpolated the same way, an
@@ -36,7 +36,8 @@ def points(rows: list[dict]) -> list[Point]:
             continue
         scale = r["pct_of_full"] / r["avg"] if r["avg"] else 1.0
         low, high = (x * scale for x in r["avg_ci95"])
-        out.append(Point(r["label"], r["mode"], r["ratio"], r["ttft_vs_full"], r["pct_of_full"], low, high))
+        mode = f"{r['mode']}@{r['ratio']}" if isinstance(r["ratio"], str) else r["mode"]  # auto: its own curve
+        out.append(Point(r["label"], mode, r["ratio"], r["ttft_vs_full"], r["pct_of_full"], low, high))
     return out
 
 

@@ -28,6 +28,7 @@ def quality_vs_ratio(rows: list[dict], path: str | Path, title: str = "") -> Non
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     lengths = sorted({r["length"] for r in rows})
+    rows = [r for r in rows if not isinstance(r["ratio"], str)]  # "auto" has no place on a ratio axis
     ratio_rows = [r for r in rows if r["mode"] not in ("full", "reuse", "ape")]
     sweep = any(len({r["ratio"] for r in ratio_rows if r["mode"] == m}) > 1 for m in {r["mode"] for r in ratio_rows})
     labels = sorted({r["label"] for r in ratio_rows})
