@@ -31,7 +31,10 @@ from .stats import bootstrap_interval, mean_of_means
 
 log = logging.getLogger(__name__)
 
-ROW_MODES = ("reuse", "random", "epic", "cacheclip", PAPER_MODE, JOINT_MODE, "oracle", "packet", "packet+cacheclip")
+def row_modes() -> tuple[str, ...]:
+    """The modes whose plan is a set of rows a replay can recompute (`Selector.row_set`; `full` is
+    the reference itself), and the bench's CacheClip variants."""
+    return (*(m for m in plan.modes() if plan.get(m).row_set and m != "full"), PAPER_MODE, JOINT_MODE)
 
 
 @dataclass
@@ -62,11 +65,11 @@ def run(
     budget: str = "keep",
     progress=None,
 ) -> list[FidelityResult]:
-    """modes: (mode, ratio) pairs from ROW_MODES."""
-    bad = sorted({m for m, _ in modes} - set(ROW_MODES))
+    """modes: (mode, ratio) pairs from `row_modes()`."""
+    bad = sorted({m for m, _ in modes} - set(row_modes()))
     if bad:
         raise ValueError(f"bench fidelity replays a mode's recomputed rows; {bad} have none to replay. "
-                         f"Modes: {list(ROW_MODES)}")
+                         f"Modes: {list(row_modes())}")
     results: list[FidelityResult] = []
     for length, variant, sample_seed, sample, ids in suite(engine, variants, lengths, samples, seed, progress):
         ref = reference(engine, sample.question, ids, answer_tokens)
