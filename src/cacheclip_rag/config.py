@@ -35,6 +35,10 @@ class ChunkConfig:
 
 AUX_CONTEXTS = ("chunk", "joint")
 
+SCORING_CHOICES = {"head_agg": ("mean", "max"), "row_agg": ("mean", "max"), "normalize": ("none", "chunk"),
+                   "context": AUX_CONTEXTS}
+"""The values each aggregation setting of the aux scoring may take (`SelectConfig`, `profile.Profile`)."""
+
 DEFAULT_AUTO_SHARE = 0.5
 """The aux attention mass recompute_ratio="auto" covers where no calibrated profile sets one."""
 
@@ -100,8 +104,7 @@ class SelectConfig:
                 raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
         if self.auto_floor > self.auto_cap:
             raise ValueError(f"auto_floor ({self.auto_floor}) must not exceed auto_cap ({self.auto_cap})")
-        for name, allowed in (("head_agg", ("mean", "max")), ("row_agg", ("mean", "max")), ("normalize", ("none", "chunk")),
-                              ("context", AUX_CONTEXTS)):
+        for name, allowed in SCORING_CHOICES.items():
             if getattr(self, name) not in (*allowed, None):
                 raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
 

@@ -24,7 +24,7 @@ from types import MappingProxyType
 from typing import Any
 
 from . import lora
-from .config import AUX_CONTEXTS, DEFAULT_AUTO_SHARE, SelectConfig
+from .config import DEFAULT_AUTO_SHARE, SCORING_CHOICES, SelectConfig
 from .models import EMBEDDED
 
 log = logging.getLogger(__name__)
@@ -35,9 +35,6 @@ DEFAULT_LENGTH = 2048
 SHIPPED_DIR = Path(__file__).parent / "data" / "profiles"
 """Profiles shipped with the package, one file per embedded pair, `<primary>+<aux>.json`:
 {"profiles": [...]}, one per calibration length (each the "profile" of `cacheclip calibrate --json`)."""
-
-_CHOICES = {"head_agg": ("mean", "max"), "row_agg": ("mean", "max"), "normalize": ("none", "chunk"),
-            "context": AUX_CONTEXTS}
 
 
 @dataclass(frozen=True)
@@ -76,7 +73,7 @@ class Profile:
                                  f"got {getattr(self, name)!r}")
         object.__setattr__(self, "aux_layers", _int_tuple("aux_layers", self.aux_layers, minimum=None))
         object.__setattr__(self, "lengths", _int_tuple("lengths", self.lengths, minimum=1))
-        for name, allowed in _CHOICES.items():
+        for name, allowed in SCORING_CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"profile {name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
         share = self.auto_share
@@ -188,15 +185,16 @@ def shipped(primary_name: str, aux_name: str) -> list[Profile]:
     tuned = {lora.tuned_name(base, sha): base for base, (_, sha) in lora.SHIPPED.items()}
     if (primary_name not in EMBEDDED and primary_name not in tuned) or aux_name not in EMBEDDED:
         return []
-    own = _read_shipped(SHIPPED_DIR, f"{primary_name}+{aux_name}.json")
+    own = _read_shipped(SHIPPED_DIR, f"{primary_name}+{aux_name}.json", "shipped")
     if own:
-        return parse(own, "shipped")
+        return list(own)
     if primary_name in tuned:
-        return parse(_read_shipped(SHIPPED_DIR, f"{tuned[primary_name]}+{aux_name}.json"), "shipped for the base primary")
+        return list(_read_shipped(SHIPPED_DIR, f"{tuned[primary_name]}+{aux_name}.json", "shipped for the base primary"))
     return []
 
 
 @functools.lru_cache(maxsize=8)
-def _read_shipped(folder: Path, name: str) -> dict | None:
+def _read_shipped(folder: Path, name: str, source: str) -> tuple[Profile, ...]:
+    """A shipped file's profiles, read and validated once (every request asks for them)."""
     path = folder / name
-    return json.loads(path.read_text()) if path.is_file() else None
+    return tuple(parse(json.loads(path.read_text()), source)) if path.is_file() else ()

@@ -91,8 +91,8 @@ def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     return {name: tensor_sum(name, t) for name, t in tensors.items()}
 
 
-RECORD_FORMAT = "1"
-"""The record layout written (metadata keys and tensor names); stores of format 1 all use it."""
+FORMAT_VERSION = 1
+"""The store format: its manifest and every record it writes carry it (metadata keys, tensor names)."""
 
 
 def to_record(kv: ChunkKV, namespace: str, key: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -100,7 +100,7 @@ def to_record(kv: ChunkKV, namespace: str, key: str) -> tuple[dict[str, torch.Te
     its start position and layer count, and one checksum per tensor."""
     tensors = {name: t.detach().cpu().contiguous() for name, t in kv.tensors().items()}
     meta = {
-        "format": RECORD_FORMAT,
+        "format": str(FORMAT_VERSION),
         "key": key,
         "namespace": namespace,
         "start_pos": str(kv.start_pos),

@@ -374,18 +374,24 @@ def attention_from_rows(lm: LoadedModel, input_ids: torch.Tensor, rows: torch.Te
     finally:
         for handle in handles:
             handle.remove()
-    n = input_ids.numel()
     result = {}
     for i in wanted:
         h = captured[i]
         q, _, _ = fam.qkv(i, h, fam.rope(h, rows[None].to(lm.device)))
-        keys = out.cache.layers[i].keys
-        keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
-        logits = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * fam.scaling(i)
-        visible = causal_position_mask(rows[None], n, fam.window(i)).to(logits.device)  # [1, 1, R, N]
-        logits = logits.masked_fill(~visible, float("-inf"))
-        result[i] = logits.softmax(dim=-1)[0].mean(dim=(0, 1)).cpu()  # [N]
+        result[i] = rows_attention(lm, i, q, out.cache.layers[i].keys, rows, input_ids.numel()).cpu()
     return {layer: result[layer % lm.num_layers] for layer in layers}
+
+
+def rows_attention(lm: LoadedModel, layer: int, q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
+                   n_keys: int) -> torch.Tensor:
+    """The attention of query rows over the first n_keys keys of one layer, as the layer attends
+    (causal by sequence index, within its sliding window, its scaling), averaged over heads and
+    rows: [n_keys] fp32. q: [1, Hq, R, D] rotated; keys: [1, Hkv, >= n_keys, D]; rows: [R]."""
+    keys = keys[:, :, :n_keys]
+    keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+    logits = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * lm.family.scaling(layer)
+    visible = causal_position_mask(rows[None], n_keys, lm.family.window(layer)).to(logits.device)  # [1, 1, R, N]
+    return logits.masked_fill(~visible, float("-inf")).softmax(dim=-1)[0].mean(dim=(0, 1))
 
 
 # ----- character space (token weights of two tokenizers compared on one text) ----------------

@@ -24,19 +24,16 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-
+from . import profile as profile_lib
 from .backends import KVBackend, StoreUnavailableError, open_backend
 from .backends.base import check_namespace
-from .memory_tier import MemoryTier
-from .record import ChunkKV, DamagedCacheError, LayerReader, to_record
 from .chunking import Chunk
-from . import profile as profile_lib
 from .config import StoreConfig
+from .memory_tier import MemoryTier
 from .profile import Profile
+from .record import FORMAT_VERSION, ChunkKV, DamagedCacheError, LayerReader, to_record
 
 log = logging.getLogger(__name__)
-
-FORMAT_VERSION = 1
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .base import check_namespace, hashed_name, register
+from .base import PATH_SCHEME, check_namespace, hashed_name, register
 
 log = logging.getLogger(__name__)
 
@@ -164,4 +164,4 @@ class FileBackend:
         pass
 
 
-register("file", FileBackend)
+register(PATH_SCHEME, FileBackend)

@@ -27,11 +27,10 @@ import time
 
 import torch
 
-from cacheclip_kernels import causal_position_mask
-
 from ..assemble import assemble
 from ..plan import Plan, Selector, register
 from ..recompute import recompute_rows
+from ..select import rows_attention
 
 
 class ProphetKV(Selector):
@@ -64,12 +63,7 @@ def query_attention(prepared, chunk_kvs: dict | None = None, fuse: str | None = 
 
     def observe(layer: int, q: torch.Tensor, rows: torch.Tensor) -> None:
         wanted = rows >= query_start
-        q, rows = q[:, :, wanted], rows[wanted]  # [1, Hq, R, D], [R]
-        keys = cache.keys[layer][:, :, : layout.num_tokens]
-        keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
-        logits = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * lm.family.scaling(layer)
-        visible = causal_position_mask(rows[None], layout.num_tokens, lm.family.window(layer)).to(logits.device)
-        attention = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1)[0].mean(dim=(0, 1))  # [N]
+        attention = rows_attention(lm, layer, q[:, :, wanted], cache.keys[layer], rows[wanted], layout.num_tokens)
         on_chunks = attention[chunk_rows.to(attention.device)].cpu()
         per_layer.append(on_chunks / on_chunks.sum().clamp_min(1e-12))
 
