@@ -79,6 +79,8 @@ def test_auto_through_the_command_line_and_both_framework_llms(eng):
     from cacheclip_rag.cli import parser
 
     assert parser().parse_args(["ask", "why?", "--ratio", "auto"]).recompute_ratio == "auto"
+    with pytest.raises(SystemExit):  # argparse: "expected a number in [0, 1] or 'auto', got 'most'"
+        parser().parse_args(["ask", "why?", "--ratio", "most"])
     texts = "\n".join(eng.store.get_chunk(c).text for c in eng.ids)
     lc = CacheClipLLM(engine=eng, recompute_ratio="auto", max_new_tokens=2)
     result = lc.generate([texts + "\nQ: " + Q])

@@ -10,6 +10,7 @@ text computed fresh (separators, the question, a framework's template); `questio
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -24,8 +25,14 @@ Piece = tuple[str, "str | None"]
 
 
 def ratio_arg(text: str) -> float | str:
-    """A recompute ratio as the command line gives it: a number, or "auto"."""
-    return AUTO if text == AUTO else float(text)
+    """A recompute ratio as the command line gives it: a number, or "auto" (range checked later,
+    by `check_ratio`)."""
+    if text == AUTO:
+        return AUTO
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'auto', got {text!r}") from None
 
 
 def _option(default, help: str, **cli):
