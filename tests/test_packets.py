@@ -7,6 +7,7 @@ from transformers import DynamicCache
 from cacheclip_rag.assemble import rerotate
 from cacheclip_rag.encode import encode_prefix, tokenize
 from cacheclip_rag.packets import SOFT_TOKEN, PacketAdapters, packet_cache, student_logits
+from cacheclip_rag.packets import embed as packet_embed
 from cacheclip_rag.recompute import AssembledCache, recompute_rows
 
 from conftest import CORPUS
@@ -24,6 +25,36 @@ def _inputs(lm):
     return prefix, docs, tail
 
 
+def _sequential(lm, adapters, prefix, docs, tail, between=None, picked=None):
+    """The served request: packets cached one by one after the prefix, concatenated with keys
+    re-rotated into place, then the plain text (and the picked rows) recomputed in place."""
+    packets = [packet_cache(lm, adapters, prefix.token_ids, ids, off) for ids, off in docs]
+    p, n_h = prefix.num_tokens, adapters.shape[0]
+    gap = 0 if between is None else between.numel()
+    n = p + sum(k.num_tokens for k in packets) + gap * (len(packets) - 1) + tail.numel()
+    cache = AssembledCache.empty(lm, n)
+    for layer in range(lm.num_layers):
+        cache.keys[layer][0, :, :p] = prefix.keys[layer]
+        cache.values[layer][0, :, :p] = prefix.values[layer]
+    ids, rows, start = [prefix.token_ids], [], p
+    for i, kv in enumerate(packets):
+        if i and gap:
+            ids.append(between)
+            rows.append(torch.arange(start, start + gap))
+            start += gap
+        for layer in range(lm.num_layers):
+            cache.keys[layer][0, :, start : start + kv.num_tokens] = rerotate(kv.keys[layer], start - p, lm.family.inv_freq(layer))
+            cache.values[layer][0, :, start : start + kv.num_tokens] = kv.values[layer]
+        ids.append(kv.token_ids)
+        if picked is not None:
+            rows.append(start + n_h + picked[i])
+        start += kv.num_tokens
+    ids.append(tail)
+    rows.append(torch.arange(start, n))
+    embed = lambda x: packet_embed(lm, adapters, x)  # noqa: E731 - the soft rows' ids embed as adapters
+    return recompute_rows(lm, cache, torch.cat(ids), torch.cat(rows).sort().values, tail=tail.numel(), embed=embed).tail_logits
+
+
 def test_parallel_form_equals_sequential_packet_caches(tiny_lm):
     """Packets cached one by one after the prefix, concatenated with keys re-rotated into place,
     then the tail recomputed == the one-pass parallel form with the block-diagonal mask."""
@@ -31,26 +62,36 @@ def test_parallel_form_equals_sequential_packet_caches(tiny_lm):
     lm = tiny_lm
     adapters = PacketAdapters.initial(lm, 3, 2, seed=1)
     prefix, docs, tail = _inputs(lm)
-    packets = [packet_cache(lm, adapters, prefix.token_ids, ids, off) for ids, off in docs]
-    assert packets[0].token_ids[0] == SOFT_TOKEN and packets[0].num_tokens == docs[0][0].numel() + 5
-    p = prefix.num_tokens
-    n = p + sum(k.num_tokens for k in packets) + tail.numel()
-    cache = AssembledCache.empty(lm, n)
-    for layer in range(lm.num_layers):
-        cache.keys[layer][0, :, :p] = prefix.keys[layer]
-        cache.values[layer][0, :, :p] = prefix.values[layer]
-    start = p
-    for kv in packets:
-        for layer in range(lm.num_layers):
-            cache.keys[layer][0, :, start : start + kv.num_tokens] = rerotate(kv.keys[layer], start - p, lm.family.inv_freq(layer))
-            cache.values[layer][0, :, start : start + kv.num_tokens] = kv.values[layer]
-        start += kv.num_tokens
-    ids = torch.cat([prefix.token_ids, torch.zeros(start - p, dtype=torch.long), tail])
-    rows = torch.arange(start, n)
-    sequential = recompute_rows(lm, cache, ids, rows, tail=tail.numel()).tail_logits
+    first = packet_cache(lm, adapters, prefix.token_ids, *docs[0])
+    assert first.token_ids[0] == SOFT_TOKEN and first.num_tokens == docs[0][0].numel() + 5
+    sequential = _sequential(lm, adapters, prefix, docs, tail)
     with torch.no_grad():
         parallel = student_logits(lm, adapters, prefix.token_ids, [d for d, _ in docs], tail)
     torch.testing.assert_close(parallel, sequential, atol=2e-4, rtol=2e-4)
+
+
+def test_parallel_form_with_recompute_in_the_loop_equals_the_served_request(tiny_lm):
+    """packet+cacheclip's request: separators between the packets, picked text rows of each
+    packet recomputed in place beside the plain text; the parallel form (what training with
+    recompute in the loop differentiates) gives the logits the served recompute gives."""
+    _windowless(tiny_lm)
+    lm = tiny_lm
+    adapters = PacketAdapters.initial(lm, 3, 2, seed=1)
+    prefix, docs, tail = _inputs(lm)
+    between, _ = tokenize(lm, "\n\n")
+    picked = [torch.tensor([0, 2, 3]), torch.tensor([1]), torch.arange(docs[2][0].numel())]
+    sequential = _sequential(lm, adapters, prefix, docs, tail, between, picked)
+    with torch.no_grad():
+        parallel = student_logits(lm, adapters, prefix.token_ids, [d for d, _ in docs], tail, between=between,
+                                  picked=picked)
+        unpicked = student_logits(lm, adapters, prefix.token_ids, [d for d, _ in docs], tail, between=between)
+    torch.testing.assert_close(parallel, sequential, atol=2e-4, rtol=2e-4)
+    assert (parallel - unpicked).abs().max() > 1e-3  # the recomputed rows change what the tail reads
+    with torch.no_grad(), pytest.raises(ValueError, match="one index tensor per document"):
+        student_logits(lm, adapters, prefix.token_ids, [d for d, _ in docs], tail, picked=picked[:2])
+    with torch.no_grad(), pytest.raises(ValueError, match="outside its"):
+        student_logits(lm, adapters, prefix.token_ids, [d for d, _ in docs], tail,
+                       picked=[torch.tensor([999]), picked[1], picked[2]])
 
 
 def test_a_few_training_steps_lower_the_kl(tiny_lm):

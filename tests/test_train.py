@@ -94,3 +94,75 @@ def test_packet_training_keeps_its_mix_and_lora_adds_notes():
     assert TrainConfig().kinds == ("needle", "twohop", "prose")
     assert LoraTrainConfig().kinds[-1] == "notes"
     assert TrainConfig(kinds=["prose"]).kinds == ("prose",)
+
+
+def test_recompute_in_the_loop_trains_on_served_requests_and_lowers_the_loss(tiny_pair, tmp_path):
+    """Packets trained with CacheClip's recompute in the loop: the requests are made as an engine
+    serves them (separators between chunks, the aux model's picks at the ratio), the student is
+    the parallel form with those rows recomputed, and a few epochs lower the held-out KL from
+    where the given starting adapters were."""
+    from cacheclip_rag.config import EngineConfig
+    from cacheclip_rag.engine import CacheClipEngine
+    from cacheclip_rag.packets import PacketAdapters
+    from cacheclip_rag.train import train
+
+    primary, aux = tiny_pair
+    cfg = TrainConfig(samples=3, held_out=2, epochs=3, length=120, chunk_tokens=40, answer_tokens=3, batch=1,
+                      lr=0.01, recompute=0.3, kinds=("needle",))
+    with pytest.raises(ValueError, match="needs an engine"):
+        train(primary, cfg)
+    start = PacketAdapters.initial(primary, 2, 2, seed=5)
+    with CacheClipEngine(primary, aux, tmp_path / "scratch", EngineConfig(packets=None)) as engine:
+        adapters, curve = train(primary, cfg, engine=engine, init=start)
+    assert curve[0]["held_out_kl"] > min(row["held_out_kl"] for row in curve[1:])
+    assert adapters.shape == (2, 2) and adapters.digest() != start.digest()
+    assert [row["epoch"] for row in curve] == [0, 1, 2, 3]
+
+
+def test_served_examples_carry_the_engines_picks(tiny_pair, tmp_path):
+    """A served training request: its documents are the chunks' primary tokens, the separator is
+    the engine's, and the picked rows are the cacheclip plan's at the ratio (more at a higher one)."""
+    from cacheclip_rag.config import EngineConfig
+    from cacheclip_rag.engine import CacheClipEngine
+    from cacheclip_rag.train import served_example
+
+    primary, aux = tiny_pair
+    with CacheClipEngine(primary, aux, tmp_path / "scratch", EngineConfig(packets=None)) as engine:
+        low = served_example(engine, "needle", 11, TrainConfig(length=120, chunk_tokens=40, recompute=0.1))[1]
+        prefix, high = served_example(engine, "needle", 11, TrainConfig(length=120, chunk_tokens=40, recompute=0.5))
+        plain = served_example(engine, "needle", 11, TrainConfig(length=120, chunk_tokens=40))[1]
+    assert len(high.docs) >= 3 and high.between is not None and plain.picked is None
+    assert sum(p.numel() for p in high.picked) > sum(p.numel() for p in low.picked) > 0
+    assert all(int(p.max()) < d.numel() for p, d in zip(high.picked, high.docs) if p.numel())
+    assert torch.equal(high.teacher, plain.teacher)  # the teacher reads the same served sequence
+
+
+def test_recompute_in_the_loop_is_for_packets_only():
+    from cacheclip_rag.train import LoraTrainConfig
+
+    with pytest.raises(ValueError, match="recompute"):
+        TrainConfig(recompute=1.5)
+    with pytest.raises(ValueError, match="LoRA takes recompute=0"):
+        LoraTrainConfig(recompute=0.2)
+
+
+def test_cli_trains_with_recompute_from_given_adapters(folder, tiny_pair, tmp_path, capsys):
+    from cacheclip_rag.packets import PacketAdapters
+    from cacheclip_rag.train import save_adapters
+
+    _, aux = tiny_pair
+    aux_folder = tmp_path / "aux"
+    aux.model.save_pretrained(aux_folder)
+    aux.tokenizer.save_pretrained(aux_folder)
+    lm = load(str(folder), ModelConfig(dtype="float32"))
+    start = tmp_path / "start.safetensors"
+    save_adapters(start, PacketAdapters.initial(lm, 2, 3, seed=3), lm, TrainConfig(), [])
+    out = tmp_path / "trained.safetensors"
+    rc = main(["train", "packet", "--primary", str(folder), "--aux", str(aux_folder), "--dtype", "float32", "--out",
+               str(out), "--init", str(start), "--recompute", "0.3", "--samples", "2", "--held-out", "1", "--epochs",
+               "1", "--length", "96", "--chunk-tokens", "32", "--answer-tokens", "2"])
+    assert rc == 0 and "sha256" in capsys.readouterr().out
+    trained = load_adapters(out, lm)
+    assert trained.shape == (2, 3)  # the starting adapters' shape, not the config's default 8/8
+    assert main(["train", "lora", "--primary", str(folder), "--out", str(tmp_path / "l"), "--init", str(start)]) == 2
+    assert "--init" in capsys.readouterr().err

@@ -11,8 +11,10 @@ This module holds the adapters and the two forms of a packet request that traini
 - sequential (`packet_cache`): each packet prefilled alone after the prefix, as serving does;
 - parallel (`student_logits`): one layer-by-layer pass over [prefix, packets..., tail] where each
   packet sees the prefix and itself at the positions it is cached at, and the tail (query and
-  generated tokens) sees every packet's keys re-rotated to their place. It equals the sequential
-  form (tested) and is differentiable in the adapters, which is what self-distillation trains.
+  generated tokens) sees every packet's keys re-rotated to their place; optionally with fresh
+  copies of picked rows recomputed in place, as `packet+cacheclip` serves them. It equals the
+  sequential form (tested) and is differentiable in the adapters, which is what
+  self-distillation trains.
 
 Shapes: hidden rows [M, hidden]; K/V per layer [1, H_kv, N, D].
 """
@@ -197,46 +199,80 @@ def packet_cache(lm: LoadedModel, adapters: PacketAdapters, prefix_ids: torch.Te
 
 
 def student_logits(lm: LoadedModel, adapters: PacketAdapters, prefix_ids: torch.Tensor, docs: list[torch.Tensor],
-                   tail_ids: torch.Tensor) -> torch.Tensor:
-    """The parallel form: logits [len(tail) , vocab] (fp32) after each tail token of
-    [prefix, packet(doc_1), ..., packet(doc_M), tail], each packet seeing the prefix and itself
-    at its cached positions, the tail seeing everything with packets re-rotated into place.
-    Differentiable in `adapters` (call under `torch.enable_grad`)."""
+                   tail_ids: torch.Tensor, *, between: torch.Tensor | None = None,
+                   picked: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """The parallel form: logits [len(tail), vocab] (fp32) after each tail token of
+    [prefix, packet(doc_1), between, packet(doc_2), ..., packet(doc_M), tail].
+
+    Two sets of rows go through the layers side by side:
+
+    - the isolated rows (prefix and packets): each packet sees the prefix and itself at the
+      positions it is cached at, as `packet_cache` computes it;
+    - the recomputed rows, at their global positions: every plain-text row (`between`, the
+      separator the served prompt puts between chunks, and the tail) and, with `picked`, a fresh
+      copy of the picked text rows of each packet (picked[i]: indices [K_i] into doc i's tokens,
+      as CacheClip's selection marks them). They see every row before them: the isolated rows
+      re-rotated into place, except where a fresh copy replaces one.
+
+    That is the served `packet+cacheclip` request (packet caches assembled, the picked rows and
+    the plain text recomputed) in one differentiable pass (call under `torch.enable_grad`); with
+    picked=None it is `packet` (nothing but plain text recomputed). Tested equal to both.
+    """
     fam, dev = lm.family, lm.device
-    p = int(prefix_ids.numel())
-    embeds = [fam.embed(prefix_ids.to(dev))]
-    local, shift, block = [torch.arange(p)], [torch.zeros(p, dtype=torch.long)], [torch.zeros(p, dtype=torch.long)]
+    p, n_h = int(prefix_ids.numel()), adapters.shape[0]
+    if picked is not None and len(picked) != len(docs):
+        raise ValueError(f"picked must hold one index tensor per document ({len(docs)}), got {len(picked)}")
+    iso_rows, local, place, block = [fam.embed(prefix_ids.to(dev))], [torch.arange(p)], [torch.arange(p)], [torch.zeros(p, dtype=torch.long)]
+    fresh_rows, fresh_pos = [], []
     start = p
+
+    def plain(ids: torch.Tensor) -> None:
+        nonlocal start
+        fresh_rows.append(fam.embed(ids.to(dev)))
+        fresh_pos.append(torch.arange(start, start + int(ids.numel())))
+        start += int(ids.numel())
+
     for i, ids in enumerate(docs):
+        if i and between is not None and between.numel():
+            plain(between)
         rows = wrap(lm, adapters, ids)
         n = int(rows.shape[0])
-        embeds.append(rows)
+        iso_rows.append(rows)
         local.append(torch.arange(p, p + n))
-        shift.append(torch.full((n,), start - p))
+        place.append(torch.arange(start, start + n))
         block.append(torch.full((n,), i + 1))
+        if picked is not None and picked[i].numel():
+            at = picked[i].to(torch.long).sort().values + n_h
+            if int(at[-1]) >= n_h + int(ids.numel()) or int(at[0]) < n_h:
+                raise ValueError(f"picked rows of document {i} fall outside its {int(ids.numel())} tokens")
+            fresh_rows.append(rows[at.to(dev)])
+            fresh_pos.append(start + at)
         start += n
+    plain(tail_ids)
     q = int(tail_ids.numel())
-    embeds.append(fam.embed(tail_ids.to(dev)))
-    local.append(torch.arange(start, start + q))
-    shift.append(torch.zeros(q, dtype=torch.long))
-    block.append(torch.full((q,), -1))
-    h = torch.cat(embeds)[None]  # [1, N, hidden]
-    local_pos, delta, blocks = torch.cat(local), torch.cat(shift), torch.cat(block)
-    n_all = int(h.shape[1])
-    idx = torch.arange(n_all)
-    # Rows before the tail: causal within their own block, plus the prefix (block 0).
-    same = (blocks[:, None] == blocks[None, :]) | (blocks[None, :] == 0)
-    inner = (same & (idx[None, :] <= idx[:, None]))[: n_all - q]
-    causal = (idx[None, :] <= idx[:, None])[n_all - q :]  # the tail: everything before it
-    inner, causal = inner[None, None].to(dev), causal[None, None].to(dev)
-    rope = fam.rope(h, local_pos[None].to(dev))
+    h_iso, h_new = torch.cat(iso_rows)[None], torch.cat(fresh_rows)[None]  # [1, I, hidden], [1, R, hidden]
+    local_pos, global_iso, blocks, new_pos = torch.cat(local), torch.cat(place), torch.cat(block), torch.cat(fresh_pos)
+    n_iso, n_all = int(h_iso.shape[1]), start
+    # Where each global row's K/V comes from in cat([isolated, recomputed]): a fresh copy wins.
+    source = torch.empty(n_all, dtype=torch.long)
+    source[global_iso] = torch.arange(n_iso)
+    source[new_pos] = n_iso + torch.arange(int(new_pos.numel()))
+    idx = torch.arange(n_iso)
+    # Isolated rows: causal within their own block, plus the prefix (block 0).
+    inner = ((blocks[:, None] == blocks[None, :]) | (blocks[None, :] == 0)) & (idx[None, :] <= idx[:, None])
+    causal = torch.arange(n_all)[None, :] <= new_pos[:, None]  # [R, N]
+    inner, causal, source, delta = inner[None, None].to(dev), causal[None, None].to(dev), source.to(dev), global_iso - local_pos
+    rope_iso, rope_new = fam.rope(h_iso, local_pos[None].to(dev)), fam.rope(h_new, new_pos[None].to(dev))
     for layer in range(len(fam.layers)):
-        qs, k, v = fam.qkv(layer, h, rope)
-        scale, gqa = fam.scaling(layer), qs.shape[1] != k.shape[1]
         if fam.window(layer) is not None:
             raise ValueError("packet training on sliding-window layers is not supported yet")
-        placed = rerotate(k, delta, fam.inv_freq(layer))
-        out_inner = F.scaled_dot_product_attention(qs[:, :, : n_all - q], k, v, attn_mask=inner, scale=scale, enable_gqa=gqa)
-        out_tail = F.scaled_dot_product_attention(qs[:, :, n_all - q :], placed, v, attn_mask=causal, scale=scale, enable_gqa=gqa)
-        h = fam.finish(layer, h, torch.cat([out_inner, out_tail], dim=2))
-    return fam.logits(h[:, n_all - q :])[0].float()
+        q_iso, k_iso, v_iso = fam.qkv(layer, h_iso, rope_iso)
+        q_new, k_new, v_new = fam.qkv(layer, h_new, rope_new)
+        scale, gqa = fam.scaling(layer), q_iso.shape[1] != k_iso.shape[1]
+        placed = rerotate(k_iso, delta, fam.inv_freq(layer))
+        keys = torch.cat([placed, k_new], dim=2).index_select(2, source)  # [1, H_kv, N, D]
+        values = torch.cat([v_iso, v_new], dim=2).index_select(2, source)
+        out_iso = F.scaled_dot_product_attention(q_iso, k_iso, v_iso, attn_mask=inner, scale=scale, enable_gqa=gqa)
+        out_new = F.scaled_dot_product_attention(q_new, keys, values, attn_mask=causal, scale=scale, enable_gqa=gqa)
+        h_iso, h_new = fam.finish(layer, h_iso, out_iso), fam.finish(layer, h_new, out_new)
+    return fam.logits(h_new[:, -q:])[0].float()

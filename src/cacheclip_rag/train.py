@@ -60,8 +60,15 @@ class TrainConfig:
     lr: float = 1e-3
     seed: int = 0
     kinds: tuple[str, ...] = KINDS
+    recompute: float = 0.0
+    """CacheClip's recompute in the loop: the ratio its selection recomputes in every training
+    request (0: the packets are trained for plain reuse, as the shipped ones were). Above 0 the
+    requests are made by an engine (its aux model selects) in the served geometry."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.recompute, bool) or not isinstance(self.recompute, (int, float)) \
+                or not 0 <= self.recompute <= 1:
+            raise ValueError(f"recompute must be a ratio in [0, 1], got {self.recompute!r}")
         if (not isinstance(self.kinds, (tuple, list)) or not self.kinds
                 or any(k not in ALL_KINDS for k in self.kinds) or len(set(self.kinds)) != len(self.kinds)):
             raise ValueError(f"kinds must be distinct names among {ALL_KINDS}, got {self.kinds!r}")
@@ -88,6 +95,9 @@ class LoraTrainConfig(TrainConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.recompute:
+            raise ValueError(f"recompute in the loop trains KV Packet adapters; the LoRA takes recompute=0, got "
+                             f"{self.recompute!r}")
         for name in ("rank", "alpha"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -98,14 +108,42 @@ class LoraTrainConfig(TrainConfig):
 
 @dataclass
 class Example:
-    """One training request: documents [ids], the tail Q + G[:-1] and the teacher's log-probs [|G|, vocab]."""
+    """One training request: documents [ids], the tail Q + G[:-1] and the teacher's log-probs
+    [|G|, vocab]; for a request in the served geometry also the separator between documents
+    [S] and, with recompute in the loop, the picked rows of each document [K_i] (token indices,
+    as CacheClip's selection marks them)."""
 
     docs: list[torch.Tensor]
     tail: torch.Tensor
     teacher: torch.Tensor
+    between: torch.Tensor | None = None
+    picked: list[torch.Tensor] | None = None
 
 
 @torch.inference_mode()
+def continuation(lm: LoadedModel, seq: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen model's greedy continuation of `seq` [N] under full attention: the generated
+    tokens G[:-1] [n - 1] and the log-probabilities [n, vocab] before each of the n tokens."""
+    out = lm.model(input_ids=seq[None].to(lm.device), use_cache=True, logits_to_keep=1)
+    step = hf_step(lm, out.cache, seq.numel())
+    logits, generated, rows = out.logits[0, -1].float().cpu(), [], []
+    for t in range(n):
+        rows.append(logits.log_softmax(-1))
+        if t + 1 < n:
+            generated.append(int(logits.argmax()))
+            logits = step(generated[-1], t)
+    return torch.tensor(generated, dtype=torch.long), torch.stack(rows).cpu()
+
+
+def documents(sample, tokenizer, chunk_tokens: int) -> list[str]:
+    """The request's documents: given, or its context cut every `chunk_tokens` tokens."""
+    if sample.documents:
+        return list(sample.documents)
+    ids, offsets = encode_text(tokenizer, sample.context)
+    return [sample.context[offsets[i][0] : offsets[min(i + chunk_tokens, len(ids)) - 1][1]]
+            for i in range(0, len(ids), chunk_tokens)]
+
+
 def make_example(lm: LoadedModel, prefix_ids: torch.Tensor, suffix: str, prompt: PromptConfig, kind: str,
                  seed: int, cfg: TrainConfig) -> Example:
     sample = make_request(kind, cfg.length, seed, lm.tokenizer)
@@ -116,29 +154,49 @@ def make_example(lm: LoadedModel, prefix_ids: torch.Tensor, suffix: str, prompt:
         docs = [torch.tensor(ids[i : i + cfg.chunk_tokens]) for i in range(0, len(ids), cfg.chunk_tokens)]
     question = prompt.question_template.format(question=sample.question)
     q = torch.cat([tokenize(lm, question)[0], tokenize(lm, suffix, special=True)[0]])
-    seq = torch.cat([prefix_ids, *docs, q])
-    out = lm.model(input_ids=seq[None].to(lm.device), use_cache=True, logits_to_keep=1)
-    step = hf_step(lm, out.cache, seq.numel())
-    logits, generated, rows = out.logits[0, -1].float().cpu(), [], []
-    for t in range(cfg.answer_tokens):
-        rows.append(logits.log_softmax(-1))
-        if t + 1 < cfg.answer_tokens:
-            generated.append(int(logits.argmax()))
-            logits = step(generated[-1], t)
-    tail = torch.cat([q, torch.tensor(generated, dtype=torch.long)])
-    return Example(docs, tail, torch.stack(rows).cpu())
+    generated, rows = continuation(lm, torch.cat([prefix_ids, *docs, q]), cfg.answer_tokens)
+    return Example(docs, torch.cat([q, generated]), rows)
+
+
+def served_example(engine, kind: str, seed: int, cfg: TrainConfig) -> tuple[torch.Tensor, Example]:
+    """A training request made the way `engine` serves it: its documents ingested as chunks,
+    asked through the engine's prompt frame (separators between chunks), CacheClip's selection
+    at cfg.recompute by the engine's aux model and profile. Returns the prefix ids [P] and the
+    example (teacher: the full-attention continuation of the served token sequence)."""
+    from .plan import get as get_selector
+
+    lm = engine.primary.lm
+    sample = make_request(kind, cfg.length, seed, lm.tokenizer)
+    chunk_ids = engine.ingest(documents(sample, lm.tokenizer, cfg.chunk_tokens), progress=False, split=False)
+    prepared = engine.prepare(sample.question, chunk_ids, mode="cacheclip", recompute_ratio=cfg.recompute)
+    plan = get_selector("cacheclip").plan(prepared)
+    layout = prepared.layout
+    chunks = layout.chunk_segments()
+    gaps = [seg.ids for seg in layout.segments if not seg.cached and seg.start < chunks[-1].start]
+    if len(gaps) != len(chunks) - 1 or any(not torch.equal(g, gaps[0]) for g in gaps):
+        raise ValueError("the engine's prompt frame puts something other than one separator between chunks; "
+                         "training in the served geometry expects [prefix, chunk, separator, chunk, ..., question]")
+    generated, rows = continuation(lm, layout.input_ids, cfg.answer_tokens)
+    picked = [torch.nonzero(step["recomputed"]).flatten() for step in plan.trace] if cfg.recompute else None
+    ids = layout.input_ids.clone()  # plain tensors: autograd may save them
+    example = Example([seg.ids.clone() for seg in chunks], torch.cat([ids[chunks[-1].end :], generated]), rows,
+                      between=gaps[0].clone() if gaps else None, picked=picked)
+    return ids[: layout.prefix_len], example
 
 
 def kl(lm: LoadedModel, adapters: PacketAdapters, prefix_ids: torch.Tensor, ex: Example) -> torch.Tensor:
     """KL(teacher || student) per generated token, averaged over them."""
-    student = student_logits(lm, adapters, prefix_ids, ex.docs, ex.tail)[-ex.teacher.shape[0] :].log_softmax(-1)
+    student = student_logits(lm, adapters, prefix_ids, ex.docs, ex.tail, between=ex.between,
+                             picked=ex.picked)[-ex.teacher.shape[0] :].log_softmax(-1)
     return torch.nn.functional.kl_div(student, ex.teacher.to(student.device), log_target=True, reduction="batchmean")
 
 
 def examples(lm: LoadedModel, cfg: TrainConfig, prompt: PromptConfig | None = None,
-             progress: Callable[[str], None] | None = None) -> tuple[torch.Tensor, list[Example], list[Example]]:
+             progress: Callable[[str], None] | None = None,
+             engine=None) -> tuple[torch.Tensor, list[Example], list[Example]]:
     """The shared prefix ids [P] and the generated (train, held-out) examples with their teacher;
-    progress(message) is called after each of the samples + held_out examples."""
+    progress(message) is called after each of the samples + held_out examples. With an engine
+    (whose primary is `lm`) the requests are made as it serves them (`served_example`)."""
     prompt = prompt or PromptConfig()
     template = chat_template(lm, prompt)
     prefix_ids, _ = tokenize(lm, template.prefix, special=True)
@@ -146,7 +204,11 @@ def examples(lm: LoadedModel, cfg: TrainConfig, prompt: PromptConfig | None = No
     made = []
     for i, s in enumerate(range(first, first + cfg.samples + cfg.held_out)):
         kind = cfg.kinds[i % len(cfg.kinds)]
-        made.append(make_example(lm, prefix_ids, template.suffix, prompt, kind, s, cfg))
+        if engine is not None:
+            prefix_ids, example = served_example(engine, kind, s, cfg)
+        else:
+            example = make_example(lm, prefix_ids, template.suffix, prompt, kind, s, cfg)
+        made.append(example)
         if progress:
             progress(f"{kind} request {i + 1}")
     log.info("made %d training examples (teacher continuations of %d tokens)", len(made), cfg.answer_tokens)
@@ -218,13 +280,24 @@ def fit(objective: Objective, train_set: list[Example], held: list[Example], cfg
 
 def train(lm: LoadedModel, cfg: TrainConfig, prompt: PromptConfig | None = None,
           progress: Callable[[str], None] | None = None,
-          teacher_progress: Callable[[str], None] | None = None) -> tuple[PacketAdapters, list[dict]]:
+          teacher_progress: Callable[[str], None] | None = None, *, engine=None,
+          init: PacketAdapters | None = None) -> tuple[PacketAdapters, list[dict]]:
     """Train KV Packet adapters for `lm`; returns them and the per-epoch curve (train loss, held-out
-    KL). progress: called per training step; teacher_progress: per example the teacher makes."""
-    prefix_ids, train_set, held = examples(lm, cfg, prompt, teacher_progress)
+    KL). progress: called per training step; teacher_progress: per example the teacher makes.
+    engine: makes the requests as it serves them (needed for cfg.recompute > 0: its aux model
+    selects; its primary must be `lm`). init: start from these adapters (e.g. the shipped ones),
+    their shape overriding cfg.n_header / n_trailer."""
+    if cfg.recompute and engine is None:
+        raise ValueError("recompute in the loop needs an engine to select the rows (its aux model and profile)")
+    if engine is not None and engine.primary.lm is not lm:
+        raise ValueError("the engine's primary model must be the model trained for")
+    prefix_ids, train_set, held = examples(lm, cfg, prompt, teacher_progress, engine=engine)
     for p in lm.model.parameters():
         p.requires_grad_(False)
-    adapters = PacketAdapters.initial(lm, cfg.n_header, cfg.n_trailer, seed=cfg.seed)
+    if init is not None:
+        adapters = PacketAdapters(init.header.detach().clone().float(), init.trailer.detach().clone().float())
+    else:
+        adapters = PacketAdapters.initial(lm, cfg.n_header, cfg.n_trailer, seed=cfg.seed)
     adapters.header.requires_grad_(True)
     adapters.trailer.requires_grad_(True)
     objective = Objective(

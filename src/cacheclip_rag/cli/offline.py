@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from pathlib import Path
 
-from ..config import ModelConfig
-from ..models import DEFAULT_PRIMARY
+from .. import packets as packet_lib
+from ..config import EngineConfig, ModelConfig
+from ..engine import CacheClipEngine
+from ..models import DEFAULT_AUX, DEFAULT_PRIMARY
 from ..hardware import describe as describe_cpu
 from .common import add_common, add_dtype, engine_from_args, progress_bar
 
@@ -62,6 +65,8 @@ def cmd_train(args) -> int:
     from ..models import load
     from ..train import LoraTrainConfig, TrainConfig
 
+    if args.what == "lora" and args.init:
+        raise ValueError("--init starts KV Packet training from adapters; the LoRA starts from zero")
     kind = LoraTrainConfig if args.what == "lora" else TrainConfig
     given = {f.name: getattr(args, f.name) for f in dc_fields(kind) if getattr(args, f.name, None) is not None}
     cfg = kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
@@ -81,7 +86,19 @@ def cmd_train(args) -> int:
     else:
         from ..train import save_adapters, train
 
-        adapters, curve = train(lm, cfg, progress=bar, teacher_progress=teacher)
+        init = packet_lib.resolve_adapters(args.init, lm) if args.init else None
+        if args.init == "auto" and init is None:
+            raise ValueError(f"--init auto: no KV Packet adapters ship for {lm.name!r}; give a file")
+        with tempfile.TemporaryDirectory(prefix="cacheclip-train-") as scratch:
+            # Recompute in the loop: the requests are made and selected as an engine serves them.
+            engine = CacheClipEngine(lm, load(args.aux, ModelConfig(dtype=args.dtype), "aux"), scratch,
+                                     EngineConfig(model=ModelConfig(dtype=args.dtype), packets=None)) \
+                if cfg.recompute else None
+            try:
+                adapters, curve = train(lm, cfg, progress=bar, teacher_progress=teacher, engine=engine, init=init)
+            finally:
+                if engine is not None:
+                    engine.close()
         sha = save_adapters(args.out, adapters, lm, cfg, curve)
     measures = [k for k in curve[0] if k.startswith("held_out")]
     print(f"{'epoch':>5} {'train loss':>10} " + " ".join(f"{m.replace('_', '-').replace('-kl', ' KL'):>17}" for m in measures))
@@ -119,6 +136,10 @@ def add_commands(sub) -> None:
     p.add_argument("--primary", default=DEFAULT_PRIMARY, help="the model the adapters are for")
     add_dtype(p)
     p.add_argument("--out", required=True, help="packet: .safetensors file to write; lora: folder to write")
+    p.add_argument("--aux", default=DEFAULT_AUX, help="packet with --recompute: the aux model that selects the rows")
+    p.add_argument("--init", default=None, metavar="FILE",
+                   help="packet: start from these adapters (auto: the shipped ones for the primary) instead of "
+                        "random vectors")
     from dataclasses import fields as dc_fields
 
     from ..train import LoraTrainConfig, TrainConfig
