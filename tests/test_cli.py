@@ -87,6 +87,23 @@ def test_bench_fidelity_prints_the_table_and_paired_differences(folders, tmp_pat
     assert {p["other"] for p in json.loads(out.read_text())["versus"]} == {"reuse"}
 
 
+def test_bench_fidelity_frontier_places_each_mode_at_its_ttft(folders, tmp_path, capsys):
+    """--frontier on the fidelity bench: every point timed in the same run (TTFT / full), KL read
+    off each mode's curve at the budget (lower is better), the frontier and its plot."""
+    out = tmp_path / "f.json"
+    assert main(["bench", "fidelity", "--frontier", "--lengths", "100", "--samples", "1", "--variants", "multivalue",
+                 "--modes", "reuse", "cacheclip", "prophetkv", "--ratios", "0.3", "0.6", "--chunk-tokens", "40",
+                 "--max-new-tokens", "3", "--budget-ttft", "5", "--json", str(out), "--plot", str(tmp_path / "p.png"),
+                 *_args(folders, tmp_path / "s")]) == 0
+    printed = capsys.readouterr().out
+    assert "TTFT/full" in printed and "KL(full||mode), interpolated" in printed and "Pareto frontier" in printed
+    summary = json.loads(out.read_text())["summary"]
+    assert all(r["ttft_vs_full"] > 0 for r in summary)
+    assert (tmp_path / "p-frontier-100.png").is_file()
+    assert main(["bench", "ttft", "--frontier"]) == 2
+    assert "--frontier applies to `bench niah` and `bench fidelity`" in capsys.readouterr().err
+
+
 def test_bench_deviation_prints_layers_concentration_and_fidelity(folders, tmp_path, capsys):
     out = tmp_path / "d.json"
     assert main(["bench", "deviation", "--lengths", "100", "--samples", "1", "--variants", "multivalue", "--ratios",

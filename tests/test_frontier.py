@@ -59,3 +59,30 @@ def test_auto_points_are_a_curve_of_their_own():
     rows = [_row("cacheclip", 0.2, 0.26, 67.0), _row("cacheclip", "auto", 0.29, 73.0)]
     rows[1]["label"] = "cacheclip@auto"
     assert sorted(p.mode for p in frontier.points(rows)) == ["cacheclip", "cacheclip@auto"]
+
+
+def test_a_lower_is_better_metric_turns_the_frontier_and_the_budget_around():
+    """Fidelity's KL: the best point within the budget is the lowest, and a point is beaten by one
+    as fast with a lower KL."""
+    pts = [frontier.Point("a@0.1", "a", 0.1, 0.15, 0.08, 0.06, 0.10), frontier.Point("a@0.2", "a", 0.2, 0.20, 0.04, 0.03, 0.05),
+           frontier.Point("b@0.1", "b", 0.1, 0.18, 0.09, 0.07, 0.11), frontier.Point("c@0.1", "c", 0.1, 0.10, 0.12, 0.1, 0.14)]
+    assert frontier.at_budget([p for p in pts if p.mode == "a"], 0.3, frontier.KL)[0] == pytest.approx(0.04)
+    assert frontier.at_budget([p for p in pts if p.mode == "a"], 0.175, frontier.KL)[0] == pytest.approx(0.06)
+    assert [p.label for p in frontier.pareto(pts, frontier.KL)] == ["c@0.1", "a@0.1", "a@0.2"]
+    assert [h["mode"] for h in frontier.headline(pts, 0.3, frontier.KL)] == ["a", "b", "c"]
+    text = frontier.table(pts, 0.3, 2048, frontier.KL)
+    assert "0.0400" in text and "[0.0300, 0.0500]" in text and "KL(full||mode)" in text
+
+
+def test_fidelity_rows_become_points_at_their_measured_ttft():
+    from cacheclip_rag.eval import fidelity
+
+    rows = [dict(length=2048, mode="cacheclip", ratio=0.2, label="cacheclip@0.2", kl=0.04, kl_ci95=(0.03, 0.05),
+                 ttft_vs_full=0.26),
+            dict(length=2048, mode="cacheclip", ratio="auto", label="cacheclip@auto", kl=0.03, kl_ci95=(0.02, 0.04),
+                 ttft_vs_full=0.29),
+            dict(length=2048, mode="reuse", ratio=0.0, label="reuse", kl=0.13, kl_ci95=(0.1, 0.16),
+                 ttft_vs_full=float("nan"))]
+    pts = fidelity.points(rows)
+    assert [(p.mode, p.ttft, p.score, p.low) for p in pts] == [("cacheclip", 0.26, 0.04, 0.03),
+                                                                ("cacheclip@auto", 0.29, 0.03, 0.02)]

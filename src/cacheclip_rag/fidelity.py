@@ -39,6 +39,8 @@ class Reference:
     full_logprobs: torch.Tensor
     embed: Callable | None = None
     """For a packet reference: how its rows embed (soft rows as the adapter vectors)."""
+    full_ttft: float = float("nan")
+    """Seconds to full attention's first token on this request (the frontier's unit of time)."""
 
     def forced(self, engine: CacheClipEngine, selected: torch.Tensor) -> torch.Tensor:
         """Log-probabilities [T, vocab] at each answer position with `selected` chunk rows (and every
@@ -67,7 +69,7 @@ def reference(engine: CacheClipEngine, question: str, chunk_ids: list[str], answ
     prepared = engine.prepare(question, chunk_ids)
     layout = prepared.layout
     base = assemble(primary.lm, layout, prepared.prefix_kv(), prepared.chunk_kvs(), capacity=layout.num_tokens + answer.numel())
-    ref = Reference(layout, base, answer, torch.empty(0))
+    ref = Reference(layout, base, answer, torch.empty(0), full_ttft=full.timings["ttft"])
     ref.full_logprobs = ref.forced(engine, layout.chunk_rows())
     return ref
 
@@ -81,7 +83,7 @@ def packet_reference(engine: CacheClipEngine, ref: Reference, question: str, chu
     layout = prepared.layout
     base = assemble(engine.primary.lm, layout, prepared.prefix_kv(), prepared.chunk_kvs(),
                     capacity=layout.num_tokens + ref.answer.numel())
-    return Reference(layout, base, ref.answer, ref.full_logprobs, embed=prepared.embed())
+    return Reference(layout, base, ref.answer, ref.full_logprobs, embed=prepared.embed(), full_ttft=ref.full_ttft)
 
 
 def kl_positions(full: torch.Tensor, other: torch.Tensor) -> torch.Tensor:

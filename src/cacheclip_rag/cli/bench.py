@@ -40,8 +40,8 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--from applies to `bench niah`, not `bench {args.what}`")
     if args.what not in ("niah", "fidelity", "deviation") and args.versus:
         raise ValueError(f"--versus applies to `bench niah`, `fidelity` and `deviation`, not `bench {args.what}`")
-    if args.frontier and args.what != "niah":
-        raise ValueError(f"--frontier applies to `bench niah`, not `bench {args.what}`")
+    if args.frontier and args.what not in ("niah", "fidelity"):
+        raise ValueError(f"--frontier applies to `bench niah` and `bench fidelity`, not `bench {args.what}`")
     args.ratios = args.ratios or (FRONTIER_RATIOS if args.frontier else [0.2])
     if args.what == "alignment":
         from ..eval import alignment
@@ -144,7 +144,9 @@ def _bench_fidelity(args) -> int:
     from ..eval import fidelity
 
     engine = engine_from_args(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
-    modes = _mode_list(args.modes or ["reuse", "random", "epic", "cacheclip-paper", "cacheclip", "oracle"], args.ratios)
+    default = FIDELITY_FRONTIER_MODES if args.frontier else ["reuse", "random", "epic", "cacheclip-paper", "cacheclip",
+                                                             "oracle"]
+    modes = _mode_list(args.modes or default, args.ratios)
     modes = [(m, r) for m, r in modes if m != "full"]  # full is the reference itself
     results = fidelity.run(engine, modes, variants=args.variants, lengths=args.lengths, samples=args.samples,
                            seed=args.seed, answer_tokens=args.max_new_tokens, budget=args.budget,
@@ -155,6 +157,8 @@ def _bench_fidelity(args) -> int:
                           "closer to full; 95% bootstrap interval; W/L: higher/lower KL):", scale=1, digits=4)
     if args.json:
         fidelity.write_json(results, rows, args.json, pairs)
+    if args.frontier:
+        _print_frontier(args, rows, "fidelity")
     return 0
 
 
@@ -178,7 +182,7 @@ def _bench_niah(args) -> int:
     if args.json:
         needle.write_json(results, rows, args.json, pairs)
     if args.frontier:
-        _print_frontier(args, rows)
+        _print_frontier(args, rows, "niah")
     if args.plot:
         from ..eval import plots
 
@@ -190,20 +194,25 @@ def _bench_niah(args) -> int:
 
 FRONTIER_MODES = ["full", "reuse", "cacheblend", "epic", "random", "cacheclip", "prophetkv"]
 """`bench niah --frontier`'s modes when none are given (the packet modes join with --modes)."""
+FIDELITY_FRONTIER_MODES = ["reuse", "epic", "random", "cacheclip", "prophetkv"]
+"""`bench fidelity --frontier`'s: the modes with a row set to replay (CacheBlend has none)."""
 FRONTIER_RATIOS = [0.1, 0.2, 0.3, 0.4]
 
 
-def _print_frontier(args, rows: list[dict]) -> None:
-    """Per length: each mode's score at the TTFT budget and the Pareto frontier (and a plot)."""
-    from ..eval import frontier
+def _print_frontier(args, rows: list[dict], bench: str) -> None:
+    """Per length: each mode's score at the TTFT budget and the Pareto frontier (and a plot).
+    bench: "niah" (% of full attention's score) or "fidelity" (KL to full attention)."""
+    from ..eval import fidelity, frontier
 
+    to_points, metric, title = {"niah": (frontier.points, frontier.NEEDLE, "Needle suite"),
+                                "fidelity": (fidelity.points, frontier.KL, "Fidelity")}[bench]
     for length in sorted({r["length"] for r in rows}):
-        pts = frontier.points([r for r in rows if r["length"] == length])
-        print("\n" + frontier.table(pts, args.budget_ttft, length))
+        pts = to_points([r for r in rows if r["length"] == length])
+        print("\n" + frontier.table(pts, args.budget_ttft, length, metric))
         if args.plot:
             stem = Path(args.plot)
             frontier.plot(pts, str(stem.with_name(f"{stem.stem}-frontier-{length}.png")), args.budget_ttft,
-                          f"Needle suite, {length} tokens")
+                          f"{title}, {length} tokens", metric)
 
 
 def cmd_eval(args) -> int:
@@ -236,8 +245,9 @@ def add_commands(sub) -> None:
                    help="recompute ratios for ratio modes (auto: the selector decides per request; cacheclip); "
                         "default 0.2, with --frontier 0.1 0.2 0.3 0.4")
     p.add_argument("--frontier", action="store_true",
-                   help="niah: every mode over the ratios, placed at its measured TTFT / full; prints each mode's "
-                        "score at --budget-ttft and the Pareto frontier (plot with --plot)")
+                   help="niah and fidelity: every mode over the ratios, placed at its measured TTFT / full; prints "
+                        "each mode's score (fidelity: KL to full attention) at --budget-ttft and the Pareto frontier "
+                        "(plot with --plot)")
     p.add_argument("--budget-ttft", type=float, default=0.25, help="the TTFT / full budget the frontier is read at")
     p.add_argument("--variants", nargs="+", default=None, help="needle variants (default: all eight)")
     p.add_argument("--budget", choices=["paper", "keep"], default="keep",

@@ -131,7 +131,7 @@ def run(
                 f"deviation-L{check}": top_rows(chunk_rows, k[check], ratio),
             }
             selector = "packet+cacheclip" if packets else "oracle"
-            chosen[selector] = mode_rows(engine, sample.question, ids, ref, selector, ratio, sample_seed, budget)
+            chosen[selector], _ = mode_rows(engine, sample.question, ids, ref, selector, ratio, sample_seed, budget)
             if packets:
                 chosen = {f"packet-{m}" if m.startswith("deviation") else m: r for m, r in chosen.items()}
             for mode, rows in chosen.items():

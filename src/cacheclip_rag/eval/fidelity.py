@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 from ..engine import CacheClipEngine
 from .. import plan
 from ..fidelity import Reference, kl_positions, packet_reference, reference, top1_agreement
+from . import frontier
 from .needle import BENCH_MODES, JOINT_MODE, PAPER_MODE, by_variants, label, request_for, suite
 from .stats import bootstrap_interval, mean_of_means
 
@@ -52,6 +54,8 @@ class FidelityResult:
     """Every answer position agrees."""
     effective_fraction: float
     answer_tokens: int
+    ttft_vs_full: float = float("nan")
+    """The mode's TTFT on this request over full attention's, same run (nan where not timed)."""
 
 
 def run(
@@ -82,22 +86,24 @@ def run(
             if mode not in BENCH_MODES and plan.get(mode).packets:
                 packet_ref = packet_ref or packet_reference(engine, ref, sample.question, ids)
                 on = packet_ref
-            rows = mode_rows(engine, sample.question, ids, on, mode, ratio, sample_seed, budget)
-            results.append(replay(engine, on, rows, length, variant, sample_seed, mode, ratio))
+            rows, ttft = mode_rows(engine, sample.question, ids, on, mode, ratio, sample_seed, budget)
+            results.append(replay(engine, on, rows, length, variant, sample_seed, mode, ratio,
+                                  ttft_vs_full=ttft / ref.full_ttft if ref.full_ttft else float("nan")))
     return results
 
 
 def mode_rows(engine: CacheClipEngine, question: str, ids: list[str], ref: Reference, mode: str, ratio: float,
-              seed: int, budget: str) -> torch.Tensor:
-    """[S] the chunk rows `mode` recomputes for this request (one decoding step is enough to know)."""
+              seed: int, budget: str) -> tuple[torch.Tensor, float]:
+    """[S] the chunk rows `mode` recomputes for this request, and its TTFT in seconds (one
+    decoding step is enough to know both)."""
     ans = engine.answer(question, chunk_ids=ids, recompute_ratio=ratio, max_new_tokens=1, seed=seed,
                         **request_for(mode, budget))
     chunk_rows = set(ref.layout.chunk_rows().tolist())
-    return torch.tensor(sorted(set(ans.recomputed) & chunk_rows), dtype=torch.long)
+    return torch.tensor(sorted(set(ans.recomputed) & chunk_rows), dtype=torch.long), ans.timings["ttft"]
 
 
 def replay(engine: CacheClipEngine, ref: Reference, rows: torch.Tensor, length: int, variant: str, seed: int,
-           mode: str, ratio: float) -> FidelityResult:
+           mode: str, ratio: float, ttft_vs_full: float = float("nan")) -> FidelityResult:
     """Teacher-force full attention's answer with chunk `rows` [S] recomputed; compare with full."""
     logprobs = ref.forced(engine, rows)
     agree = top1_agreement(ref.full_logprobs, logprobs)
@@ -106,7 +112,8 @@ def replay(engine: CacheClipEngine, ref: Reference, rows: torch.Tensor, length: 
         length=length, variant=variant, seed=seed, mode=mode, ratio=ratio,
         kl=float(kl_positions(ref.full_logprobs, logprobs).mean()),
         agreement=float(agree.float().mean()), exact=bool(agree.all()),
-        effective_fraction=rows.numel() / n_context if n_context else 0.0, answer_tokens=int(ref.answer.numel()))
+        effective_fraction=rows.numel() / n_context if n_context else 0.0, answer_tokens=int(ref.answer.numel()),
+        ttft_vs_full=ttft_vs_full)
 
 
 def summarize(results: list[FidelityResult]) -> list[dict]:
@@ -121,19 +128,35 @@ def summarize(results: list[FidelityResult]) -> list[dict]:
                          kl=mean_of_means(by_variant), kl_ci95=bootstrap_interval(by_variant),
                          agreement=statistics.mean(r.agreement for r in sel),
                          exact=statistics.mean(float(r.exact) for r in sel),
-                         effective_fraction=statistics.mean(r.effective_fraction for r in sel)))
+                         effective_fraction=statistics.mean(r.effective_fraction for r in sel),
+                         ttft_vs_full=_median_timed(sel)))
     rows.sort(key=lambda r: (r["length"], r["kl"]))
     return rows
 
 
+def _median_timed(results: list[FidelityResult]) -> float:
+    timed = [r.ttft_vs_full for r in results if math.isfinite(r.ttft_vs_full)]
+    return statistics.median(timed) if timed else float("nan")
+
+
 def table(rows: list[dict]) -> str:
-    head = f"{'len':>5} {'mode':<23} {'n':>4} {'KL(full||·)':>11} {'95% CI':>17} {'top-1 agree':>11} {'exact':>6} {'eff%':>5}"
+    head = (f"{'len':>5} {'mode':<23} {'n':>4} {'KL(full||·)':>11} {'95% CI':>17} {'top-1 agree':>11} {'exact':>6} "
+            f"{'eff%':>5} {'TTFT/full':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         ci = "[{:.4f}, {:.4f}]".format(*r["kl_ci95"])
         lines.append(f"{r['length']:>5} {r['label']:<23} {r['samples']:>4} {r['kl']:>11.4f} {ci:>17} "
-                     f"{100 * r['agreement']:>10.1f}% {100 * r['exact']:>5.0f}% {100 * r['effective_fraction']:>5.1f}")
+                     f"{100 * r['agreement']:>10.1f}% {100 * r['exact']:>5.0f}% {100 * r['effective_fraction']:>5.1f} "
+                     f"{r.get('ttft_vs_full', float('nan')):>9.3f}")
     return "\n".join(lines)
+
+
+def points(rows: list[dict]) -> list[frontier.Point]:
+    """Fidelity rows (`summarize`, one length) as frontier points: KL(full || mode) at the mode's
+    median TTFT / full (`frontier.KL`: lower is better); rows without a measured TTFT are left out."""
+    return [frontier.Point(r["label"], frontier.curve_name(r["mode"], r["ratio"]), r["ratio"], r["ttft_vs_full"],
+                           r["kl"], *r["kl_ci95"])
+            for r in rows if math.isfinite(r.get("ttft_vs_full", float("nan")))]
 
 
 def write_json(results: list[FidelityResult], rows: list[dict], path: str | Path, pairs: list[dict] = ()) -> None:

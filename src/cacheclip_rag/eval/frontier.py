@@ -2,8 +2,9 @@
 all of them, and each mode's score read off its own curve at a TTFT budget.
 
 A point is one bench row (a mode at one ratio, or at "auto", which is a curve of its own): its median TTFT relative to full
-prefill measured in the same run, and its score (needle: % of full attention's score on the same
-samples) with a 95% interval. A mode's score at a budget B is linear interpolation between its
+prefill measured in the same run, and its score with a 95% interval: needle, % of full
+attention's score on the same samples (higher is better, `NEEDLE`); fidelity, KL(full || mode)
+(lower is better, `KL`). A mode's score at a budget B is linear interpolation between its
 two measured points that bracket B in TTFT (the interval's bounds interpolated the same way, an
 approximation: the two points are not independent); a mode whose every point is within B takes
 its best point within B; a mode with none within B has no score there.
@@ -13,6 +14,31 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Metric:
+    """What a point's score is: its name in tables and plots, which way is better, its format."""
+
+    name: str
+    higher_is_better: bool = True
+    digits: int = 1
+
+    def key(self, score: float) -> float:
+        """Larger is better, whichever way the metric runs."""
+        return score if self.higher_is_better else -score
+
+    def fmt(self, x: float) -> str:
+        return f"{x:.{self.digits}f}"
+
+
+NEEDLE = Metric("% of full attention's score")
+KL = Metric("KL(full||mode)", higher_is_better=False, digits=4)
+
+
+def curve_name(mode: str, ratio: float | str) -> str:
+    """The curve a row belongs to: its mode, or mode@auto (an adaptive budget is a curve of its own)."""
+    return f"{mode}@{ratio}" if isinstance(ratio, str) else mode
 
 
 @dataclass(frozen=True)
@@ -36,21 +62,23 @@ def points(rows: list[dict]) -> list[Point]:
             continue
         scale = r["pct_of_full"] / r["avg"] if r["avg"] else 1.0
         low, high = (x * scale for x in r["avg_ci95"])
-        mode = f"{r['mode']}@{r['ratio']}" if isinstance(r["ratio"], str) else r["mode"]  # auto: its own curve
-        out.append(Point(r["label"], mode, r["ratio"], r["ttft_vs_full"], r["pct_of_full"], low, high))
+        out.append(Point(r["label"], curve_name(r["mode"], r["ratio"]), r["ratio"], r["ttft_vs_full"], r["pct_of_full"],
+                         low, high))
     return out
 
 
-def pareto(pts: list[Point]) -> list[Point]:
-    """The points no other point beats on both axes (faster or as fast, and scoring more or as
-    much, one of them strictly), fastest first."""
+def pareto(pts: list[Point], metric: Metric = NEEDLE) -> list[Point]:
+    """The points no other point beats on both axes (faster or as fast, and scoring better or as
+    well, one of them strictly), fastest first."""
     def beaten(p: Point) -> bool:
-        return any(q.ttft <= p.ttft and q.score >= p.score and (q.ttft < p.ttft or q.score > p.score) for q in pts)
+        good = metric.key(p.score)
+        return any(q.ttft <= p.ttft and metric.key(q.score) >= good and (q.ttft < p.ttft or metric.key(q.score) > good)
+                   for q in pts)
 
-    return sorted((p for p in pts if not beaten(p)), key=lambda p: (p.ttft, -p.score))
+    return sorted((p for p in pts if not beaten(p)), key=lambda p: (p.ttft, -metric.key(p.score)))
 
 
-def at_budget(pts: list[Point], budget: float) -> tuple[float, float, float] | None:
+def at_budget(pts: list[Point], budget: float, metric: Metric = NEEDLE) -> tuple[float, float, float] | None:
     """(score, low, high) of one mode's points at TTFT = budget (see the module docstring)."""
     curve = sorted(pts, key=lambda p: p.ttft)
     within = [p for p in curve if p.ttft <= budget]
@@ -58,42 +86,45 @@ def at_budget(pts: list[Point], budget: float) -> tuple[float, float, float] | N
     if not within:
         return None
     if not beyond:
-        best = max(within, key=lambda p: p.score)
+        best = max(within, key=lambda p: metric.key(p.score))
         return best.score, best.low, best.high
     a, b = within[-1], beyond[0]
     t = (budget - a.ttft) / (b.ttft - a.ttft)
     return tuple(x + t * (y - x) for x, y in ((a.score, b.score), (a.low, b.low), (a.high, b.high)))
 
 
-def headline(pts: list[Point], budget: float = 0.25) -> list[dict]:
+def headline(pts: list[Point], budget: float = 0.25, metric: Metric = NEEDLE) -> list[dict]:
     """Per mode: its score at the budget with the interval, best first; modes without a point
     within the budget last."""
     modes = sorted({p.mode for p in pts})
     out = []
     for mode in modes:
-        got = at_budget([p for p in pts if p.mode == mode], budget)
+        got = at_budget([p for p in pts if p.mode == mode], budget, metric)
         out.append(dict(mode=mode, budget=budget, score=got[0] if got else float("nan"),
                         low=got[1] if got else float("nan"), high=got[2] if got else float("nan")))
-    return sorted(out, key=lambda r: (math.isnan(r["score"]), -r["score"] if not math.isnan(r["score"]) else 0))
+    return sorted(out, key=lambda r: (math.isnan(r["score"]), -metric.key(r["score"]) if not math.isnan(r["score"]) else 0))
 
 
-def table(pts: list[Point], budget: float = 0.25, length: int | None = None) -> str:
+def table(pts: list[Point], budget: float = 0.25, length: int | None = None, metric: Metric = NEEDLE) -> str:
     """The headline (score at the budget per mode), then the frontier's points."""
     where = f" at {length} tokens" if length else ""
-    lines = [f"score at TTFT <= {budget:g} of full{where} (% of full attention's score, interpolated; 95% CI)",
-             f"{'mode':<20} {'score':>6} {'95% CI':>15}"]
-    for r in headline(pts, budget):
+    ci_digits = 0 if metric.digits <= 1 else metric.digits
+    width = max(6, metric.digits + 4)
+    lines = [f"score at TTFT <= {budget:g} of full{where} ({metric.name}, interpolated; 95% CI)",
+             f"{'mode':<20} {'score':>{width}} {'95% CI':>{2 * width + 4}}"]
+    for r in headline(pts, budget, metric):
         if math.isnan(r["score"]):
-            lines.append(f"{r['mode']:<20} {'-':>6} {'(no point within)':>15}")
+            lines.append(f"{r['mode']:<20} {'-':>{width}} {'(no point within)':>{2 * width + 4}}")
         else:
-            ci = "[{:.0f}, {:.0f}]".format(r["low"], r["high"])
-            lines.append(f"{r['mode']:<20} {r['score']:>6.1f} {ci:>15}")
-    lines += ["", "Pareto frontier (no other point is faster and better):", f"{'point':<24} {'TTFT/full':>9} {'score':>6}"]
-    lines += [f"{p.label:<24} {p.ttft:>9.3f} {p.score:>6.1f}" for p in pareto(pts)]
+            ci = f"[{r['low']:.{ci_digits}f}, {r['high']:.{ci_digits}f}]"
+            lines.append(f"{r['mode']:<20} {metric.fmt(r['score']):>{width}} {ci:>{2 * width + 4}}")
+    lines += ["", "Pareto frontier (no other point is faster and better):",
+              f"{'point':<24} {'TTFT/full':>9} {'score':>{width}}"]
+    lines += [f"{p.label:<24} {p.ttft:>9.3f} {metric.fmt(p.score):>{width}}" for p in pareto(pts, metric)]
     return "\n".join(lines)
 
 
-def plot(pts: list[Point], path: str, budget: float = 0.25, title: str = "") -> None:
+def plot(pts: list[Point], path: str, budget: float = 0.25, title: str = "", metric: Metric = NEEDLE) -> None:
     """Score against TTFT / full: each mode's curve, the frontier, the budget line."""
     import matplotlib
 
@@ -106,11 +137,11 @@ def plot(pts: list[Point], path: str, budget: float = 0.25, title: str = "") -> 
         ax.errorbar([p.ttft for p in curve], [p.score for p in curve],
                     yerr=[[p.score - p.low for p in curve], [p.high - p.score for p in curve]],
                     marker="o", capsize=3, label=mode)
-    front = pareto(pts)
+    front = pareto(pts, metric)
     ax.plot([p.ttft for p in front], [p.score for p in front], "k--", linewidth=1, label="Pareto frontier")
     ax.axvline(budget, color="grey", linestyle=":", label=f"TTFT = {budget:g} of full")
     ax.set_xlabel("TTFT / full prefill (same run)")
-    ax.set_ylabel("% of full attention's score")
+    ax.set_ylabel(metric.name)
     ax.set_title(title or "Quality at a time budget")
     ax.legend(fontsize=8)
     fig.tight_layout()
