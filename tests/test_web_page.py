@@ -74,3 +74,40 @@ def test_ingest_ask_stream_and_heat_map_in_chromium(page):
     if shot:
         browser.save_screenshot(str(Path(shot)))
     assert httpx.get(server.url + "/health").json()["running"] == 0
+
+
+def test_the_page_asks_for_the_key_once_on_a_guarded_server(tiny_pair, tmp_path):
+    """`serve --api-key/--admin-key`: the page loads without a key (it is static), asks for one on
+    the first 401, and sends it with every request after (ingest, then the streamed question)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ready
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from cacheclip_rag.access import Keys
+
+    engine = CacheClipEngine(*tiny_pair, tmp_path / "store", EngineConfig(
+        chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4), top_k=3, packets=None))
+    server = Server(create_app(engine, default_max_tokens=8, keys=Keys("question-key", "admin-key")))
+    browser = _driver()
+    try:
+        wait = WebDriverWait(browser, 60)
+        browser.get(server.url + "/")
+        wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#mode option"))  # /health needs no key
+        assert not browser.find_element(By.ID, "auth").is_displayed()
+        browser.find_element(By.ID, "docs").send_keys("\n\n".join(CORPUS))
+        browser.find_element(By.ID, "ingest").click()
+        wait.until(lambda b: b.find_element(By.ID, "auth").is_displayed())
+        assert "admin key" in browser.find_element(By.ID, "authmsg").text
+        browser.find_element(By.ID, "authkey").send_keys("admin-key")
+        browser.find_element(By.ID, "authgo").click()
+        wait.until(ready.text_to_be_present_in_element((By.ID, "ingested"), "chunks"))
+        assert len(engine.index) > 0
+        browser.find_element(By.ID, "question").send_keys(QUESTION)
+        browser.find_element(By.ID, "ask").click()
+        wait.until(lambda b: b.find_element(By.TAG_NAME, "body").get_attribute("data-done") == "1")
+        assert not browser.find_element(By.ID, "auth").is_displayed()  # asked once
+        assert browser.find_element(By.ID, "answer").text
+    finally:
+        browser.quit()
+        server.stop()
+        engine.close()

@@ -15,6 +15,9 @@ the reuse metadata (chunks reused, tokens cached and computed, effective fractio
 for the page, the recomputed character spans of each chunk. Streaming is server-sent events in
 OpenAI's chunk format, ending with `data: [DONE]`.
 
+With keys (`access.Keys`: an API key to ask, an admin key to also ingest), every route but
+/health and the page needs `Authorization: Bearer <key>` (401 / 403 otherwise, `access.py`).
+
 The routes are module-level functions over `app.state.serving` (`create_app` builds it).
 Requests run on worker threads, at most `max_active` at once; up to `max_waiting` more wait,
 and beyond that a request gets 503 at once. A client that disconnects mid-stream stops its
@@ -41,6 +44,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from .access import Keys, RequireKeys
 from .answer import Answer, AnswerStream
 from .backends.base import StoreUnavailableError
 from .engine import CacheClipEngine
@@ -403,8 +407,10 @@ async def page():
 
 
 def create_app(engine: CacheClipEngine, *, max_active: int = 2, max_waiting: int = 8,
-               default_max_tokens: int = DEFAULTS.max_new_tokens, model_name: str | None = None) -> FastAPI:
-    """The HTTP app over one engine (which it does not close)."""
+               default_max_tokens: int = DEFAULTS.max_new_tokens, model_name: str | None = None,
+               keys: Keys | None = None) -> FastAPI:
+    """The HTTP app over one engine (which it does not close). keys: the bearer keys required
+    (`access.Keys`; None or empty: none)."""
     pool = ThreadPoolExecutor(max_workers=max_active + 1, thread_name_prefix="cacheclip-serve")
 
     @contextlib.asynccontextmanager
@@ -418,6 +424,8 @@ def create_app(engine: CacheClipEngine, *, max_active: int = 2, max_waiting: int
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(HTTPException, _http_error)
     app.include_router(router)
+    if keys is not None and keys.enabled:
+        app.add_middleware(RequireKeys, keys=keys)
     return app
 
 
