@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
 
 from conftest import CORPUS
@@ -38,3 +40,39 @@ def test_an_engine_over_redis_answers_as_over_files(tiny_pair, tmp_path, redis_s
             answers.append([engine.answer("What is the code?", chunk_ids=ids, mode=m, recompute_ratio=0.5,
                                           max_new_tokens=6) for m in ("reuse", "cacheclip", "cacheblend")])
     assert [(a.text, a.recomputed) for a in answers[0]] == [(a.text, a.recomputed) for a in answers[1]]
+
+
+class _CountingEmbeds:
+    """Counts the texts an index embeds (the real embedder still runs)."""
+
+    def __init__(self, index):
+        self.texts, self._embed = 0, index.embed
+        index.embed = self
+
+    def __call__(self, texts):
+        self.texts += len(texts)
+        return self._embed(texts)
+
+
+@pytest.mark.parametrize("where", ["files", "redis"])
+def test_a_chunk_ingested_by_one_engine_is_served_by_another_at_once(where, tiny_pair, tmp_path, request):
+    """Two engines open on one store (as two `cacheclip serve` processes, or two replicas): what
+    one ingests, the other retrieves, recognizes in a prompt and answers from with no restart,
+    embedding nothing and encoding nothing again, and answering as the one that ingested."""
+    location = tmp_path / "store" if where == "files" else request.getfixturevalue("redis_store_url")
+    cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4), top_k=2, packets=None)
+    with CacheClipEngine(*tiny_pair, location, cfg) as first, CacheClipEngine(*tiny_pair, location, cfg) as second:
+        assert len(second.index) == 0
+        embedded = _CountingEmbeds(second.index)
+        ids = first.ingest(CORPUS[:3], progress=False)
+        writes = second.store.stats.writes
+        hits = second.retrieve("What is the code in the kitchen drawer?")
+        assert {cid for cid, _ in hits} <= set(ids) and len(second.index) == len(set(ids))
+        assert embedded.texts == 1  # the question only: the chunks' embeddings came from the store
+        stuffed = "Context:\n" + first.chunk_texts(ids[:1])[0][1] + "\nWhat is the code?"
+        mine, theirs = (e.generate(stuffed, max_new_tokens=4, recompute_ratio=0.5) for e in (first, second))
+        assert theirs.chunk_ids == mine.chunk_ids == ids[:1] and theirs.text == mine.text
+        assert second.store.stats.writes == writes  # no cache encoded again
+        more = second.ingest(CORPUS[3:5], progress=False)  # and the other way round
+        assert {cid for cid, _ in first.retrieve(CORPUS[4][:60], k=5)} & set(more)
+        assert second.answer("What is the code?", chunk_ids=more[:1], max_new_tokens=3).chunk_ids == more[:1]

@@ -58,7 +58,7 @@ class CacheClipEngine:
         self._ingestor = Ingestor(self.store, self.index, self.matcher, [self.primary, self.aux], self.config.chunk,
                                   packets=self.packets)
         self._preparer = Preparer(self.store, self.matcher, self.primary, self.aux, self.config, self.retrieve,
-                                  self.select_config, packets=self.packets)
+                                  self.select_config, packets=self.packets, catch_up=self._ingestor.catch_up)
         # One worker runs aux selection beside the primary loading (CacheClip's CPU/GPU split).
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheclip-aux")
         self._ingestor.open_corpus()
@@ -131,6 +131,7 @@ class CacheClipEngine:
         k = self.config.top_k if k is None else k
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 1024:
             raise ValueError(f"k must be an integer in [1, 1024], got {k!r}")
+        self._ingestor.catch_up()  # chunks another process ingested into a shared store
         if len(self.index) == 0:
             raise ValueError("empty corpus: ingest documents before asking questions")
         hits = self.index.search(question, k)

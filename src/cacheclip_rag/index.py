@@ -92,29 +92,44 @@ class ChunkIndex:
     def ids(self) -> list[str]:
         return list(self._ids)
 
-    def _embed(self, texts: list[str]) -> np.ndarray:
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """Normalized embeddings [len(texts), D] (float32) of texts, as the index stores them."""
         vectors = self.embedder.encode(texts, batch_size=32, normalize_embeddings=True, show_progress_bar=False)
         return np.asarray(vectors, dtype=np.float32)
 
     def add(self, chunks: list[tuple[str, str]]) -> None:
-        """Append (chunk id, text) pairs not yet indexed, then save."""
+        """Append (chunk id, text) pairs not yet indexed, embedding their texts, then save."""
+        with self._lock:
+            new = self._unknown(chunks)
+            if new:
+                self._append([cid for cid, _ in new], self.embed([text for _, text in new]))
+
+    def add_vectors(self, chunks: list[tuple[str, np.ndarray]]) -> None:
+        """Append (chunk id, embedding [D]) pairs not yet indexed (embeddings made by this index's
+        embedder, e.g. read back from the store), then save."""
+        with self._lock:
+            new = self._unknown(chunks)
+            if new:
+                self._append([cid for cid, _ in new], np.stack([np.asarray(v, dtype=np.float32) for _, v in new]))
+
+    def _unknown(self, pairs: list[tuple[str, object]]) -> list[tuple[str, object]]:
+        known, new = set(self._id_set), []
+        for cid, value in pairs:
+            if cid not in known:
+                known.add(cid)
+                new.append((cid, value))
+        return new
+
+    def _append(self, ids: list[str], vectors: np.ndarray) -> None:
         import faiss
 
-        with self._lock:
-            known = set(self._id_set)
-            new = []
-            for cid, text in chunks:
-                if cid not in known:
-                    known.add(cid)
-                    new.append((cid, text))
-            if not new:
-                return
-            vectors = self._embed([text for _, text in new])
-            if self._index is None:
-                self._index = faiss.IndexFlatIP(vectors.shape[1])
-            self._index.add(vectors)
-            self._ids.extend(cid for cid, _ in new)
-            self._save()
+        if self._index is None:
+            self._index = faiss.IndexFlatIP(vectors.shape[1])
+        if vectors.shape[1] != self._index.d:
+            raise ValueError(f"embeddings of dimension {vectors.shape[1]} for an index of dimension {self._index.d}")
+        self._index.add(vectors)
+        self._ids.extend(ids)
+        self._save()
 
     def _save(self) -> None:
         import faiss
@@ -126,5 +141,5 @@ class ChunkIndex:
         with self._lock:
             if self._index is None or not self._ids:
                 return []
-            scores, idx = self._index.search(self._embed([query]), min(k, len(self._ids)))
+            scores, idx = self._index.search(self.embed([query]), min(k, len(self._ids)))
             return [(self._ids[i], float(s)) for s, i in zip(scores[0], idx[0]) if i >= 0]

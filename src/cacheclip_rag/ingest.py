@@ -15,7 +15,7 @@ from .chunking import Chunk, chunk_id, split_document
 from .config import ChunkConfig
 from .index import ChunkIndex
 from .recognize import ChunkMatcher
-from .store import KVStore
+from .store import Embedding, KVStore
 
 log = logging.getLogger(__name__)
 
@@ -28,17 +28,45 @@ class Ingestor:
                  chunking: ChunkConfig, packets: ChunkCaches | None = None):
         self.store, self.index, self.matcher, self.models, self.chunking = store, index, matcher, models, chunking
         self.packets = packets
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._seen: set[str] = set()
+        """Names of the stored chunk texts already in the matcher and the index."""
 
     def open_corpus(self) -> None:
-        """Load the stored chunk texts into the prompt matcher; index any the index lacks."""
-        chunks = self.store.chunks()
-        for chunk in chunks:
-            self.matcher.add(chunk.id, chunk.text)
-        missing = [(c.id, c.text) for c in chunks if c.id not in self.index]
-        if missing:
-            log.warning("chunk index lacks %d of %d stored chunks; adding them", len(missing), len(chunks))
-            self.index.add(missing)
+        """Load the stored chunk texts into the prompt matcher and the chunk index."""
+        self.catch_up()
+
+    def catch_up(self) -> int:
+        """Take in the chunks other processes sharing the store ingested since this one last
+        looked: into the prompt matcher, and into the chunk index with the embeddings stored
+        beside their texts (embedded here only when stored without one, or by another
+        embedder). Cheap when nothing is new (one count); returns how many chunks were new."""
+        if self.store.chunk_count() == len(self._seen):
+            return 0
+        with self._lock:
+            new = [name for name in self.store.chunk_names() if name not in self._seen]
+            stored, unembedded = [], []
+            for name in new:
+                found = self.store.get_chunk_by_name(name)
+                if found is None:
+                    log.warning("skipping unreadable chunk text %s in %s", name, self.store.location)
+                    continue
+                chunk, embedding = found
+                self.matcher.add(chunk.id, chunk.text)
+                if chunk.id not in self.index:
+                    if embedding is not None and embedding.model == self.index.embedder_name:
+                        stored.append((chunk.id, embedding.vector))
+                    else:
+                        unembedded.append((chunk.id, chunk.text))
+            self.index.add_vectors(stored)
+            if unembedded:
+                log.info("embedding %d stored chunks that have no stored embedding from %s", len(unembedded),
+                         self.index.embedder_name)
+                self.index.add(unembedded)
+            self._seen.update(new)
+        if self._seen and new:
+            log.info("caught up with %d chunks ingested elsewhere into %s", len(new), self.store.location)
+        return len(new)
 
     def ingest(self, documents: Iterable[str | Mapping], progress: bool = True, split: bool = True,
                packets: bool = False) -> list[str]:
@@ -69,13 +97,18 @@ class Ingestor:
             raise ValueError("empty corpus: expected at least one non-empty document")
         with self._lock:
             unique = list({c.id: c for c in chunks}.values())
+            fresh = [c for c in unique if c.id not in self.index]
+            vectors = dict(zip((c.id for c in fresh), self.index.embed([c.text for c in fresh]))) if fresh else {}
             for chunk in tqdm(unique, desc="ingest", unit="chunk", disable=not progress):
-                self.store.put_chunk(chunk)
+                # The caches first, the text last: a text in the store tells other processes the chunk is ready.
                 for caches in models:
                     if not caches.has(chunk.id):
                         caches.encode(chunk.id, chunk.text)
+                vector = vectors.get(chunk.id)
+                self.store.put_chunk(chunk, Embedding(self.index.embedder_name, vector) if vector is not None else None)
                 self.matcher.add(chunk.id, chunk.text)
-            self.index.add([(c.id, c.text) for c in unique])
+                self._seen.add(self.store.chunk_name(chunk.id))
+            self.index.add_vectors(list(vectors.items()))
         return [c.id for c in chunks]
 
     def repair(self, progress: bool = True) -> dict:
@@ -100,6 +133,8 @@ class Ingestor:
                     self.packets.encode(chunk.id, chunk.text)
                     rebuilt += 1
         self.store.clear_memory()
+        with self._lock:
+            self._seen.clear()  # re-read every text: re-index what the index lacks
         self.open_corpus()
         return {"checked": report["checked"], "damaged": len(report["damaged"]), "rebuilt": rebuilt, "chunks": len(chunks)}
 

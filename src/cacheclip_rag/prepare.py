@@ -35,9 +35,11 @@ class Preparer:
 
     def __init__(self, store: KVStore, matcher: ChunkMatcher, primary: ChunkCaches, aux: ChunkCaches,
                  config: EngineConfig, retrieve: Callable, select_config: Callable[..., SelectConfig],
-                 packets: ChunkCaches | None = None):
+                 packets: ChunkCaches | None = None, catch_up: Callable[[], int] | None = None):
         self.store, self.matcher, self.primary, self.aux, self.config = store, matcher, primary, aux, config
         self.packets = packets
+        self._catch_up = catch_up or (lambda: 0)
+        """Before a request reads the corpus: take in what other processes ingested meanwhile."""
         self._retrieve, self._select_config = retrieve, select_config
 
     def question(self, question: str, chunk_ids: list[str] | None = None, *, k: int | None = None,
@@ -45,6 +47,7 @@ class Preparer:
         """A question over the given chunks (their order kept), or the top-k retrieved."""
         check_text(question, "question")
         opts = RequestOptions.parse(**options)
+        self._catch_up()
         if chunk_ids is None:
             chunk_ids = [cid for cid, _ in self._retrieve(question, k)]
         chunks = self.chunk_texts(chunk_ids)
@@ -61,7 +64,7 @@ class Preparer:
         """`engine.generate`'s rule: chunk texts found in the prompt are reused; ids given without
         their texts make the prompt a question over them; retrieve=True answers a prompt with no
         stored chunk from the top-k retrieved."""
-        found = self._find(prompt, chunk_ids)
+        found = self._find(prompt, chunk_ids)  # (caught up there)
         if chunk_ids is not None and not found:
             return self.question(prompt, chunk_ids, **options)
         prepared = self._from_found(prompt, chunk_ids, found, options)
@@ -80,6 +83,7 @@ class Preparer:
         for its last message, placed the same way."""
         contents, glue = chat_frame(self.primary.lm, self.config.prompt, messages)
         opts = RequestOptions.parse(**options)
+        self._catch_up()
         only = set(self.check_ids(chunk_ids)) if chunk_ids is not None else None
         found = [self.matcher.find(c, only) if c else [] for c in contents]
         ids = [cid for hits in found for _, _, cid in hits]
@@ -101,6 +105,7 @@ class Preparer:
         """[(start, end, chunk id)] of the stored chunk texts in the prompt (only `chunk_ids`'s,
         when given, each checked to be a stored chunk)."""
         check_text(prompt, "prompt")
+        self._catch_up()
         return self.matcher.find(prompt, set(self.check_ids(chunk_ids)) if chunk_ids is not None else None)
 
     def _from_found(self, prompt: str, chunk_ids: list[str] | None, found: list[tuple[int, int, str]],

@@ -17,12 +17,15 @@ engine rebuilds it from the chunk's text. This checking is here, once, above eve
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from . import profile as profile_lib
 from .backends import KVBackend, StoreUnavailableError, open_backend
@@ -197,11 +200,35 @@ class KVStore:
 
     # ----- chunk texts ----------------------------------------------------------------------
 
-    def put_chunk(self, chunk: Chunk) -> None:
+    def put_chunk(self, chunk: Chunk, embedding: Embedding | None = None) -> None:
+        """Store a chunk's text (once), with its retrieval embedding beside it so that another
+        process sharing the store indexes it without embedding it again."""
         if self.get_chunk(chunk.id) is not None:
             return
         data = {"id": chunk.id, "text": chunk.text, "source": chunk.source, "start": chunk.start, "end": chunk.end}
+        if embedding is not None:
+            data["embedding"] = embedding.to_dict()
         self.backend.put_text(chunk.id, data)
+
+    def chunk_count(self) -> int:
+        """How many chunk texts the store holds (cheap; shared stores are polled with it)."""
+        return self.backend.text_count()
+
+    def chunk_names(self) -> list[str]:
+        """The stored names of every chunk text (`chunk_name`), without reading them."""
+        return self.backend.text_names()
+
+    def chunk_name(self, chunk_id: str) -> str:
+        return self.backend.text_name(chunk_id)
+
+    def get_chunk_by_name(self, name: str) -> tuple[Chunk, Embedding | None] | None:
+        """The chunk stored under `name` and its embedding (None when it was stored without one or
+        the stored one is unreadable); None when the text is absent or unreadable."""
+        data = self.backend.get_text_by_name(name)
+        chunk = _chunk(data)
+        if chunk is None:
+            return None
+        return chunk, Embedding.from_dict(data.get("embedding"))
 
     def get_chunk(self, chunk_id: str) -> Chunk | None:
         return _chunk(self.backend.get_text(chunk_id), chunk_id)
@@ -291,6 +318,29 @@ class KVStore:
                 setattr(self.stats, name, getattr(self.stats, name) + 1)
 
 
+@dataclass(frozen=True)
+class Embedding:
+    """A chunk's retrieval embedding as stored beside its text: the embedder's name and the
+    normalized vector [D] (float32, little-endian, base64 in the text document)."""
+
+    model: str
+    vector: np.ndarray
+
+    def to_dict(self) -> dict:
+        raw = np.ascontiguousarray(self.vector, dtype="<f4").tobytes()
+        return {"model": self.model, "dim": int(self.vector.size), "b64": base64.b64encode(raw).decode("ascii")}
+
+    @classmethod
+    def from_dict(cls, data) -> Embedding | None:
+        try:
+            vector = np.frombuffer(base64.b64decode(data["b64"], validate=True), dtype="<f4").astype(np.float32)
+            if vector.size != int(data["dim"]) or not np.isfinite(vector).all():
+                return None
+            return cls(str(data["model"]), vector)
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
 def _chunk(data: dict | None, chunk_id: str | None = None) -> Chunk | None:
     try:
         if data is None or (chunk_id is not None and data.get("id") != chunk_id):
@@ -300,4 +350,4 @@ def _chunk(data: dict | None, chunk_id: str | None = None) -> Chunk | None:
         return None
 
 
-__all__ = ["KVStore", "StoreStats", "open_store"]
+__all__ = ["Embedding", "KVStore", "StoreStats", "open_store"]

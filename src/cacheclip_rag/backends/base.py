@@ -87,6 +87,15 @@ class KVBackend(Protocol):
     def texts(self) -> list[tuple[str, dict | None]]:
         """Every text as (name, document or None when unreadable)."""
 
+    def text_count(self) -> int:
+        """How many texts are stored (cheap: processes sharing a store poll it to catch up)."""
+
+    def text_names(self) -> list[str]:
+        """The names of every stored text, without reading them."""
+
+    def get_text_by_name(self, name: str) -> dict | None:
+        """The text stored under `name` (`text_name`), None when absent or unreadable (logged)."""
+
     def text_name(self, chunk_id: str) -> str: ...
 
     # named documents (the manifest, the profile)

@@ -122,6 +122,18 @@ class FileBackend:
     def texts(self) -> list[tuple[str, dict | None]]:
         return [(p.stem, self._read_text(p)) for p in sorted((self.root / "texts").glob("*.json"))]
 
+    def text_count(self) -> int:
+        return len(self.text_names())
+
+    def text_names(self) -> list[str]:
+        folder = self.root / "texts"
+        if not folder.is_dir():
+            return []
+        return sorted(e.name[:-5] for e in os.scandir(folder) if e.name.endswith(".json") and not e.name.startswith("."))
+
+    def get_text_by_name(self, name: str) -> dict | None:
+        return self._read_text(self.root / "texts" / f"{name}.json", missing_ok=True)
+
     @staticmethod
     def _read_text(path: Path, missing_ok: bool = False) -> dict | None:
         try:

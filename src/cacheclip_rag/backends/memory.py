@@ -97,6 +97,18 @@ class MemoryBackend:
         with self._lock:
             return [(name, copy.deepcopy(data)) for name, data in sorted(self._texts.items())]
 
+    def text_count(self) -> int:
+        with self._lock:
+            return len(self._texts)
+
+    def text_names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._texts)
+
+    def get_text_by_name(self, name: str) -> dict | None:
+        with self._lock:
+            return copy.deepcopy(self._texts.get(name))
+
     def put_doc(self, name: str, data: dict) -> None:
         with self._lock:
             self._docs[name] = copy.deepcopy(data)

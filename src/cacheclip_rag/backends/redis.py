@@ -225,8 +225,16 @@ class RedisBackend:
             return None
 
     def texts(self) -> list[tuple[str, dict | None]]:
-        names = sorted(m.decode() for m in self.call(lambda r: r.smembers(self._k("texts"))))
-        return [(name, self._text(name)) for name in names]
+        return [(name, self._text(name)) for name in self.text_names()]
+
+    def text_count(self) -> int:
+        return int(self.call(lambda r: r.scard(self._k("texts"))))
+
+    def text_names(self) -> list[str]:
+        return sorted(m.decode() for m in self.call(lambda r: r.smembers(self._k("texts"))))
+
+    def get_text_by_name(self, name: str) -> dict | None:
+        return self._text(name)
 
     # ----- documents ----------------------------------------------------------------------------
 
