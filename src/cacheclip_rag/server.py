@@ -5,6 +5,7 @@
     GET  /v1/models             the one model served
     POST /v1/documents          ingest {"documents": [text | {"title", "text"}, ...]} -> chunk ids
     POST /v1/retrieve           {"query", "k"} -> [{"id", "score", "text"}]
+    GET  /v1/stats              store counters (memory-tier hits, store reads, misses)
     GET  /health                liveness and load
     GET  /                      the web page (static; talks to the API above)
 
@@ -395,10 +396,18 @@ async def retrieve(body: RetrieveBody, request: Request):
 @router.get("/health")
 async def health(request: Request):
     state = _serving(request)
-    gate, engine = state.gate, state.engine
-    return {"status": "ok", "model": state.served, "aux": engine.aux.lm.name, "running": gate.running,
+    gate, info = state.gate, state.engine.info()  # cheap: no model runs
+    return {"status": "ok", "model": state.served, "aux": info["aux"], "running": gate.running,
             "waiting": gate.queued, "max_active": gate.active, "max_waiting": gate.waiting,
-            "chunks": len(engine.index), "modes": list(engine.modes())}
+            "chunks": info["chunks"], "modes": info["modes"]}
+
+
+@router.get("/v1/stats")
+async def stats(request: Request):
+    """The engine's (or replicas') store counters: how often a request's caches came from memory."""
+    counters = _serving(request).engine.stats()
+    reads = counters["memory_hits"] + counters["disk_hits"] + counters["misses"]
+    return {**counters, "memory_hit_rate": counters["memory_hits"] / reads if reads else None}
 
 
 @router.get("/", response_class=HTMLResponse)
@@ -419,7 +428,7 @@ def create_app(engine: CacheClipEngine, *, max_active: int = 2, max_waiting: int
         pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="cacheclip-rag", version="1", docs_url="/docs", lifespan=lifespan)
-    app.state.serving = Serving(engine, Gate(max_active, max_waiting), pool, model_name or engine.primary.lm.name,
+    app.state.serving = Serving(engine, Gate(max_active, max_waiting), pool, model_name or engine.info()["model"],
                                 default_max_tokens)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(HTTPException, _http_error)

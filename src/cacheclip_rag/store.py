@@ -309,6 +309,10 @@ class KVStore:
         self._memory.clear()
 
     @property
+    def memory_keys(self, namespace: str) -> list[str]:
+        """The keys (chunk ids) whose caches of `namespace` the memory tier holds now."""
+        return [key for ns, key in self._memory.keys() if ns == namespace]
+
     def memory_bytes(self) -> int:
         return self._memory.nbytes
 

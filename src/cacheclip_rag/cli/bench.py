@@ -54,6 +54,8 @@ def cmd_bench(args) -> int:
         return 0
     if args.what == "niah":
         return _bench_niah(args)
+    if args.what == "load":
+        return _bench_load(args)
     if args.what == "fidelity":
         return _bench_fidelity(args)
     if args.what == "deviation":
@@ -86,6 +88,26 @@ def cmd_bench(args) -> int:
         ttft.plot(rows, args.plot)
     stats = engine.store.stats
     print(f"store memory tier: {stats.memory_hits} hits, {stats.disk_hits} disk reads, {stats.misses} misses")
+    return 0
+
+
+def _bench_load(args) -> int:
+    """K users against a running server; the table, and JSON with every request's outcome."""
+    import asyncio
+
+    from ..access import Keys
+    from ..eval import load
+
+    cfg = load.LoadConfig(users=args.users, seconds=args.duration, requests=args.requests,
+                          mix=load.parse_mix(args.mix), pool=args.pool, max_tokens=min(args.max_new_tokens, 64),
+                          seed=args.seed)
+    keys = Keys.from_env(args.api_key, args.admin_key)
+    load.check_url(args.url)
+    report = asyncio.run(load.run(args.url, cfg, api_key=keys.api, admin_key=keys.admin, seed_corpus=not args.no_seed,
+                                  progress=progress_bar(cfg.requests, "load", "request")))
+    print(load.table(report))
+    if args.json:
+        load.write_json(report, args.json)
     return 0
 
 
@@ -235,8 +257,9 @@ def add_commands(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: niah (needle suite), fidelity (KL to full attention), deviation "
                        "(reused vs full K/V, and selecting by it), ttft, alignment")
     add_common(p, store_default=str(cache_dir() / "bench-store"))
-    p.add_argument("what", choices=["niah", "fidelity", "deviation", "ttft", "alignment", "http"],
-                   help="http: TTFT through `cacheclip serve` against the engine's own, same requests")
+    p.add_argument("what", choices=["niah", "fidelity", "deviation", "ttft", "alignment", "http", "load"],
+                   help="http: TTFT through `cacheclip serve` against the engine's own, same requests; load: K "
+                        "concurrent users against a running server (--url), bounded in time and requests")
     p.add_argument("--lengths", type=int, nargs="+", default=[2048], help="context lengths in primary tokens")
     p.add_argument("--modes", nargs="+", default=None, help=f"modes to compare (from {list(plan.modes())}, and cacheclip-paper: last aux layer, paper rule; cacheclip-joint: "
                    "the aux query reads all chunks at once); "
@@ -268,6 +291,17 @@ def add_commands(sub) -> None:
     p.add_argument("--versus", nargs="+", default=None, metavar="LABEL",
                    help="niah, fidelity, deviation: compare these rows (e.g. cacheclip@0.2) with every other, sample "
                         "by sample (default: the cacheclip rows; deviation: the oracle rows)")
+    load = p.add_argument_group("bench load")
+    load.add_argument("--url", default="http://127.0.0.1:8000", help="the server (this machine only)")
+    load.add_argument("--users", type=int, default=4, help="concurrent users, one request at a time each")
+    load.add_argument("--duration", type=float, default=60.0, help="seconds at most")
+    load.add_argument("--requests", type=int, default=200, help="requests at most, over all users")
+    load.add_argument("--mix", default="chat=0.5,retrieve=0.4,ingest=0.1",
+                      help="weights of the request kinds: chat (stored chunk text in the message), retrieve, ingest")
+    load.add_argument("--pool", type=int, default=8, help="distinct questions (their chunks repeat across requests)")
+    load.add_argument("--api-key", default=None, help="the server's API key (default $CACHECLIP_API_KEY)")
+    load.add_argument("--admin-key", default=None, help="the server's admin key, for ingests (default $CACHECLIP_ADMIN_KEY)")
+    load.add_argument("--no-seed", action="store_true", help="do not ingest the demo corpus first")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("eval", help="QA from a JSON Lines file: every mode on the same examples")

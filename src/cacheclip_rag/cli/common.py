@@ -19,8 +19,15 @@ log = logging.getLogger("cacheclip_rag")
 
 
 def engine_from_args(args, chunk: ChunkConfig | None = None):
+    cfg = engine_config(args, chunk)
+    log.info("loading %s (primary) and %s (aux)", args.primary, args.aux)
+    return CacheClipEngine.from_pretrained(primary=args.primary, aux=args.aux, store_dir=args.store, config=cfg)
+
+
+def engine_config(args, chunk: ChunkConfig | None = None) -> EngineConfig:
+    """The engine settings the common flags give."""
     layers = getattr(args, "score_layers", None)
-    cfg = EngineConfig(
+    return EngineConfig(
         model=ModelConfig(dtype=getattr(args, "dtype", "auto"), primary_adapter=getattr(args, "primary_adapter", None)),
         store=StoreConfig(kv_dtype=getattr(args, "kv_dtype", "auto")),
         chunk=chunk or ChunkConfig(),
@@ -28,8 +35,6 @@ def engine_from_args(args, chunk: ChunkConfig | None = None):
         select=SelectConfig(score_layers=tuple(layers) if layers else None),
         packets=packets_arg(getattr(args, "adapters", "auto")),
     )
-    log.info("loading %s (primary) and %s (aux)", args.primary, args.aux)
-    return CacheClipEngine.from_pretrained(primary=args.primary, aux=args.aux, store_dir=args.store, config=cfg)
 
 
 def packets_arg(value: str) -> str | None:
