@@ -23,7 +23,7 @@ def server(tiny_pair, tmp_path):
 def test_a_small_load_answers_every_request_as_alone_and_loses_no_ingest(server, tmp_path, capsys):
     out = tmp_path / "load.json"
     assert main(["bench", "load", "--url", server.url, "--users", "3", "--requests", "18", "--duration", "120",
-                 "--pool", "2", "--max-new-tokens", "4", "--json", str(out)]) == 0
+                 "--pool", "2", "--documents", "6", "--max-new-tokens", "4", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "answered/s" in printed and "memory-tier hit rate" in printed
     summary = json.loads(out.read_text())["summary"]

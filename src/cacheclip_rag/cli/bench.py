@@ -99,7 +99,8 @@ def _bench_load(args) -> int:
     from ..eval import load
 
     cfg = load.LoadConfig(users=args.users, seconds=args.duration, requests=args.requests,
-                          mix=load.parse_mix(args.mix), pool=args.pool, max_tokens=min(args.max_new_tokens, 64),
+                          mix=load.parse_mix(args.mix), pool=args.pool, documents=args.documents,
+                          max_tokens=min(args.max_new_tokens, 64),
                           seed=args.seed)
     keys = Keys.from_env(args.api_key, args.admin_key)
     load.check_url(args.url)
@@ -299,9 +300,10 @@ def add_commands(sub) -> None:
     load.add_argument("--mix", default="chat=0.5,retrieve=0.4,ingest=0.1",
                       help="weights of the request kinds: chat (stored chunk text in the message), retrieve, ingest")
     load.add_argument("--pool", type=int, default=8, help="distinct questions (their chunks repeat across requests)")
+    load.add_argument("--documents", type=int, default=24, help="generated notes ingested first, one chunk each")
     load.add_argument("--api-key", default=None, help="the server's API key (default $CACHECLIP_API_KEY)")
     load.add_argument("--admin-key", default=None, help="the server's admin key, for ingests (default $CACHECLIP_ADMIN_KEY)")
-    load.add_argument("--no-seed", action="store_true", help="do not ingest the demo corpus first")
+    load.add_argument("--no-seed", action="store_true", help="do not ingest the generated notes first")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("eval", help="QA from a JSON Lines file: every mode on the same examples")

@@ -29,12 +29,18 @@ def engine_config(args, chunk: ChunkConfig | None = None) -> EngineConfig:
     layers = getattr(args, "score_layers", None)
     return EngineConfig(
         model=ModelConfig(dtype=getattr(args, "dtype", "auto"), primary_adapter=getattr(args, "primary_adapter", None)),
-        store=StoreConfig(kv_dtype=getattr(args, "kv_dtype", "auto")),
+        store=StoreConfig(kv_dtype=getattr(args, "kv_dtype", "auto"), **memory_arg(args)),
         chunk=chunk or ChunkConfig(),
         top_k=getattr(args, "k", None) or EngineConfig().top_k,
         select=SelectConfig(score_layers=tuple(layers) if layers else None),
         packets=packets_arg(getattr(args, "adapters", "auto")),
     )
+
+
+def memory_arg(args) -> dict:
+    """StoreConfig's memory tier size from --memory-mb, where a command has it."""
+    mb = getattr(args, "memory_mb", None)
+    return {} if mb is None else {"memory_bytes": int(mb * 1024 * 1024)}
 
 
 def packets_arg(value: str) -> str | None:

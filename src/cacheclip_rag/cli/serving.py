@@ -70,6 +70,8 @@ def add_commands(sub) -> None:
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on every route but /health and the page (default "
                         f"${API_KEY_ENV}; none: no key needed, fine on 127.0.0.1 only)")
+    p.add_argument("--memory-mb", type=float, default=None, metavar="MB",
+                   help="the memory tier of chunk caches per engine (default 512 MB)")
     p.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="run N engine replicas on Ray Serve behind one ingress (same API and page); the store "
                         "should be redis://... (a folder works on one machine only)")

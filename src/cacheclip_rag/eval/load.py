@@ -7,8 +7,9 @@ all, drawn from a mix:
     retrieve  a bare question; the server retrieves its chunks
     ingest    a new small document, ingested (checked retrievable when the load ends)
 
-The chat and retrieve requests come from a small pool (questions reuse chunks, as a RAG
-workload's do), each run alone first, one at a time, for its reference answer; under load every
+The corpus is `corpus(documents)`: generated notes, each a few sentences of prose around one
+fact, ingested first. The chat and retrieve requests come from a pool of questions about them
+(so chunks repeat across requests, as a RAG workload's do), each run alone first, one at a time, for its reference answer; under load every
 answer is compared with its reference (greedy decoding: it must be the same text). Reported:
 requests/s, client-side TTFT (first streamed token) p50/p95/p99 per kind, errors by kind, wrong
 answers, lost ingests, and the memory-tier hit rate over the load (`GET /v1/stats`). Loopback
@@ -28,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ..demo import demo_documents, demo_questions
+from ..haystack import prose
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 KINDS = ("chat", "retrieve", "ingest")
@@ -45,12 +46,14 @@ class LoadConfig:
     requests: int = 200
     mix: tuple[tuple[str, float], ...] = (("chat", 0.5), ("retrieve", 0.4), ("ingest", 0.1))
     pool: int = 8
+    documents: int = 24
     max_tokens: int = 16
     timeout: float = 120.0
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name, top in (("users", MAX_USERS), ("requests", MAX_REQUESTS), ("pool", 1000), ("max_tokens", 4096)):
+        for name, top in (("users", MAX_USERS), ("requests", MAX_REQUESTS), ("pool", 1000), ("documents", 10_000),
+                          ("max_tokens", 4096)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
                 raise ValueError(f"{name} must be an integer in [1, {top}], got {value!r}")
@@ -61,6 +64,19 @@ class LoadConfig:
         mix = dict(self.mix)
         if not mix or set(mix) - set(KINDS) or any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
             raise ValueError(f"mix must weigh kinds among {KINDS} with non-negative weights, some positive, got {self.mix!r}")
+
+
+def corpus(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """n (document, question) pairs: a titled note of prose around one fact, and a question only
+    that note answers. Deterministic for (n, seed)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        site, code = f"depot {i + 1:03d}", f"{rng.randrange(10_000):04d}-{rng.randrange(10_000):04d}"
+        fact = f"The gate code of {site} is {code}."
+        text = f"Note on {site}\n{prose(rng, 4)} {fact} {prose(rng, 4)}"
+        out.append((text, f"What is the gate code of {site}?"))
+    return out
 
 
 def parse_mix(text: str) -> tuple[tuple[str, float], ...]:
@@ -186,7 +202,7 @@ def error_kind(err: BaseException) -> str:
 async def _requests_pool(client: Client, cfg: LoadConfig) -> list[tuple[str, dict]]:
     """The (kind, body) pool of chat and retrieve requests, over the server's chunks."""
     rng = random.Random(cfg.seed)
-    questions = [q["question"] for q in demo_questions()]
+    questions = [q for _, q in corpus(cfg.documents)]
     rng.shuffle(questions)
     pool = []
     for question in questions[: cfg.pool]:
@@ -203,13 +219,15 @@ async def _requests_pool(client: Client, cfg: LoadConfig) -> list[tuple[str, dic
 
 async def run(url: str, cfg: LoadConfig, *, api_key: str | None = None, admin_key: str | None = None,
               seed_corpus: bool = True, progress=None) -> LoadReport:
-    """Seed the demo corpus (once), take the references one at a time, then the load."""
+    """Ingest the corpus (chunks already stored are not encoded again), take the references one
+    at a time, then the load."""
     client = Client(check_url(url), api_key, admin_key, cfg.timeout)
     try:
         if seed_corpus:
-            r = await client.http.post("/v1/documents", json={"documents": demo_documents()}, headers=client.admin)
+            docs = [text for text, _ in corpus(cfg.documents)]
+            r = await client.http.post("/v1/documents", json={"documents": docs, "split": False}, headers=client.admin)
             if r.status_code != 200:
-                raise ValueError(f"seeding the demo corpus failed: HTTP {r.status_code} {r.text[:200]}")
+                raise ValueError(f"ingesting the load corpus failed: HTTP {r.status_code} {r.text[:200]}")
         pool = await _requests_pool(client, cfg)
         reference = {i: (await client.ask(body))[0] for i, (_, body) in enumerate(pool)}
         before = await client.stats()
