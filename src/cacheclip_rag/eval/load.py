@@ -103,6 +103,8 @@ class Outcome:
     seconds: float = 0.0
     error: str | None = None
     wrong: bool = False
+    at: float = 0.0
+    """Seconds from the load's start to this request's start."""
 
 
 @dataclass
@@ -272,7 +274,10 @@ async def _load(client: Client, cfg: LoadConfig, pool: list, reference: dict, pr
             kind = rng.choices(kinds, weights)[0]
             if kind != "ingest" and not by_kind[kind]:
                 kind = "ingest"
-            report.outcomes.append(await one(kind))
+            at = time.perf_counter() - start
+            outcome = await one(kind)
+            outcome.at = at
+            report.outcomes.append(outcome)
             if progress:
                 progress(kind)
 
