@@ -37,8 +37,15 @@ def _serve_replicas(args, keys) -> int:
     """`serve --replicas N`: the same API and page on Ray Serve, N engine replicas on one store."""
     import os
 
+    import signal
+
     from .. import replicas
 
+    def stop(signum, frame):  # SIGTERM from a process manager, or SIGINT where a shell ignored it
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     threads = args.replica_threads or max(1, (os.cpu_count() or 1) // args.replicas)
