@@ -36,7 +36,6 @@ def cmd_serve(args) -> int:
 def _serve_replicas(args, keys) -> int:
     """`serve --replicas N`: the same API and page on Ray Serve, N engine replicas on one store."""
     import os
-
     import signal
 
     from .. import replicas
@@ -44,13 +43,13 @@ def _serve_replicas(args, keys) -> int:
     def stop(signum, frame):  # SIGTERM from a process manager, or SIGINT where a shell ignored it
         raise KeyboardInterrupt
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, stop)
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     threads = args.replica_threads or max(1, (os.cpu_count() or 1) // args.replicas)
     spec = replicas.ReplicaSpec(args.primary, args.aux, args.store, engine_config(args), threads=threads)
     nodes = replicas.start(args.ray_address, args.host, args.port)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # after Ray's start, which installs its own
+        signal.signal(sig, stop)
     try:
         replicas.check_store(args.store, nodes)
         print(f"serving {args.primary} on http://{args.host}:{args.port}/ with {args.replicas} engine replicas on Ray "
