@@ -123,6 +123,11 @@ def test_the_router_sends_a_request_to_the_replica_holding_its_chunks(service):
     after = _replica_counts()
     grew = sorted(after[pid] - before[pid] for pid in before)
     assert grew == [0, 4], (before, after)
+    from ray import serve
+
+    handle = serve.get_deployment_handle(replicas.DEPLOYMENT, app_name=replicas.APP)
+    reports = [handle.record_routing_stats.remote().result()["chunks"] for _ in range(8)]
+    assert any(reports)  # what the router reads: the memory tier's chunks
 
 
 def test_a_killed_replica_costs_no_wrong_answer_and_no_hang(service, tiny_pair):

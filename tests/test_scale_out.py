@@ -72,6 +72,7 @@ def test_a_chunk_ingested_by_one_engine_is_served_by_another_at_once(where, tiny
         stuffed = "Context:\n" + first.chunk_texts(ids[:1])[0][1] + "\nWhat is the code?"
         mine, theirs = (e.generate(stuffed, max_new_tokens=4, recompute_ratio=0.5) for e in (first, second))
         assert theirs.chunk_ids == mine.chunk_ids == ids[:1] and theirs.text == mine.text
+        assert ids[0] in second.cached_chunks()  # what it reports to a chunk-affinity router
         assert second.store.stats.writes == writes  # no cache encoded again
         more = second.ingest(CORPUS[3:5], progress=False)  # and the other way round
         assert {cid for cid, _ in first.retrieve(CORPUS[4][:60], k=5)} & set(more)

@@ -116,3 +116,12 @@ def test_fingerprint_mismatch_is_refused(tmp_path):
     with pytest.raises(ValueError, match="different primary model"):
         KVStore(tmp_path).bind_models({"primary": "zzz", "aux": "bbb"})
     assert json.loads((tmp_path / "store.json").read_text())["models"]["primary"] == "aaa"
+
+
+def test_the_memory_tier_lists_what_it_holds_per_namespace(tmp_path):
+    """What chunk-affinity routing reads from each replica (`CacheClipEngine.cached_chunks`)."""
+    s = KVStore(tmp_path, store_mod.StoreConfig(memory_bytes=int(_kv(t=50).nbytes * 2.5)))
+    for i in range(3):
+        s.put_kv(NS, f"c{i}", _kv(t=50, seed=i))
+    assert s.memory_keys(NS) == ["c1", "c2"]  # the oldest was dropped to stay in bounds
+    assert s.memory_keys("other-namespace") == [] and s.memory_bytes <= _kv(t=50).nbytes * 2.5

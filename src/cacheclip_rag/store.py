@@ -308,11 +308,11 @@ class KVStore:
     def clear_memory(self) -> None:
         self._memory.clear()
 
-    @property
     def memory_keys(self, namespace: str) -> list[str]:
         """The keys (chunk ids) whose caches of `namespace` the memory tier holds now."""
         return [key for ns, key in self._memory.keys() if ns == namespace]
 
+    @property
     def memory_bytes(self) -> int:
         return self._memory.nbytes
 
