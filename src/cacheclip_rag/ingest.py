@@ -44,6 +44,7 @@ class Ingestor:
         if self.store.chunk_count() == len(self._seen):
             return 0
         with self._lock:
+            opening = not self._seen
             new = [name for name in self.store.chunk_names() if name not in self._seen]
             stored, unembedded = [], []
             for name in new:
@@ -64,7 +65,7 @@ class Ingestor:
                          self.index.embedder_name)
                 self.index.add(unembedded)
             self._seen.update(new)
-        if self._seen and new:
+        if new and not opening:
             log.info("caught up with %d chunks ingested elsewhere into %s", len(new), self.store.location)
         return len(new)
 

@@ -47,7 +47,6 @@ class Preparer:
         """A question over the given chunks (their order kept), or the top-k retrieved."""
         check_text(question, "question")
         opts = RequestOptions.parse(**options)
-        self._catch_up()
         if chunk_ids is None:
             chunk_ids = [cid for cid, _ in self._retrieve(question, k)]
         chunks = self.chunk_texts(chunk_ids)

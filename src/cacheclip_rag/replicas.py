@@ -157,15 +157,7 @@ class RemoteStream:
         self.trace: list[dict] = []
 
     def _next(self):
-        try:
-            return next(self._responses)
-        except StopIteration:
-            raise
-        except Exception as err:  # a replica's ValueError arrives wrapped by Ray: unwrap it
-            cause = getattr(err, "cause", None)
-            if isinstance(cause, ValueError):
-                raise cause from None
-            raise
+        return _unwrapped(lambda: next(self._responses))
 
     def __iter__(self) -> RemoteStream:
         return self
