@@ -23,10 +23,12 @@ def server(tiny_pair, tmp_path):
 def test_a_small_load_answers_every_request_as_alone_and_loses_no_ingest(server, tmp_path, capsys):
     out = tmp_path / "load.json"
     assert main(["bench", "load", "--url", server.url, "--users", "3", "--requests", "18", "--duration", "120",
-                 "--pool", "2", "--documents", "6", "--max-new-tokens", "4", "--json", str(out)]) == 0
+                 "--pool", "2", "--documents", "6", "--context", "1", "--max-new-tokens", "4", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "answered/s" in printed and "memory-tier hit rate" in printed
-    summary = json.loads(out.read_text())["summary"]
+    written = json.loads(out.read_text())
+    summary = written["summary"]
+    assert written["config"]["context"] == 1
     assert summary["requests"] == 18 and summary["ok"] == 18 and summary["wrong"] == 0
     assert summary["lost_ingests"] == 0 and not summary["errors"]
     assert summary["memory_hit_rate"] is not None and summary["memory_hit_rate"] > 0  # the pool's chunks repeat
@@ -40,6 +42,8 @@ def test_load_bounds_and_addresses_are_checked():
         load.LoadConfig(users=0)
     with pytest.raises(ValueError, match="seconds"):
         load.LoadConfig(seconds=-1)
+    with pytest.raises(ValueError, match="context"):
+        load.LoadConfig(context=0)
     with pytest.raises(ValueError, match="mix"):
         load.LoadConfig(mix=(("chat", 1.0), ("delete", 1.0)))
     assert load.parse_mix("chat=1,ingest=0.5") == (("chat", 1.0), ("ingest", 0.5))

@@ -174,3 +174,23 @@ def test_a_folder_store_is_refused_across_nodes():
     replicas.check_store("/data/store", nodes=1)
     with pytest.raises(ValueError, match="replicas must be"):
         replicas.build(replicas.ReplicaSpec("a", "b", "s"), 0)
+
+
+def test_the_affinity_policy_waits_for_the_holder_unless_queues_are_imbalanced():
+    from cacheclip_rag.routing import rank
+
+    held = {"a": {"c1", "c2"}, "b": {"c3"}, "c": set()}
+    # balanced queues: only the replica holding most of the chunks is offered, so the request waits for it
+    assert rank(["a", "b", "c"], {"a": 2, "b": 1, "c": 1}, held, ["c1", "c2", "c3"], imbalance=1) == [["a"]]
+    # equal best holders: both, least loaded first
+    held2 = {"a": {"c1"}, "b": {"c1"}, "c": set()}
+    assert rank(["a", "b", "c"], {"a": 1, "b": 0, "c": 0}, held2, ["c1"], imbalance=1) == [["b", "a"]]
+    # imbalanced beyond the bound: every replica, least loaded first
+    assert rank(["a", "b", "c"], {"a": 2, "b": 1, "c": 0}, held, ["c1"], imbalance=1) == [["c"], ["b"], ["a"]]
+    # no chunk ids (an ingest), or chunks nobody holds: least loaded first, all offered
+    assert rank(["a", "b"], {"a": 1, "b": 0}, held, [], imbalance=1) == [["b"], ["a"]]
+    assert rank(["a", "b"], {"a": 1, "b": 0}, held, ["zz"], imbalance=1) == [["b"], ["a"]]
+    # equal loads take turns
+    firsts = {rank(["a", "b"], {}, {}, [])[0][0] for _ in range(64)}
+    assert firsts == {"a", "b"}
+    assert rank([], {}, {}, ["c1"]) == []

@@ -4,12 +4,14 @@ A request's chunk caches are read from the shared store once and then kept in th
 the replica that served it; a later request over the same chunks finds them there only if it
 lands on that replica. The ingress resolves each request's chunk ids before routing (recognizing
 stored chunk text in the prompt, or retrieving; no model runs) and passes them as the keyword
-argument `route_chunks`. This router ranks the replicas by how many of those chunks each holds:
-what the replica last reported (`record_routing_stats`: its memory tier's chunk ids) plus what
-this router has since sent it. When the replicas' queues differ by more than `imbalance`
-requests, locality gives way to load and the least loaded replica goes first, the balance Ray
-Serve LLM's prefix-cache-affinity router strikes for prompt prefixes. Requests without chunk ids
-(ingests) go to the least loaded replica.
+argument `route_chunks`. This router offers a request only to the replicas that hold most of
+those chunks (what each last reported through `record_routing_stats`, its memory tier's chunk
+ids, plus what this router has sent it since), so when they are busy the request waits for them
+(Ray Serve asks the router again after a short backoff) instead of spilling to a replica that
+would read its chunks from the store. When the replicas' queues differ by more than `imbalance`
+requests, locality gives way to load and every replica is offered, least loaded first: the
+balance Ray Serve LLM's prefix-cache-affinity router strikes for prompt prefixes. Requests
+without chunk ids (ingests), or whose chunks no replica holds, go to the least loaded replica.
 
 Queue lengths are this router's own count of the requests it has routed and not yet seen
 complete (one ingress routes every request, so the count is the replicas' load).
@@ -24,12 +26,14 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 
 ROUTE_KWARG = "route_chunks"
 """The keyword argument a routed call carries its chunk ids in."""
+IMBALANCE = 1
+"""The default queue-length gap beyond which load outranks locality."""
 REMEMBERED = 4096
 """Chunk ids remembered per replica from routing (beyond what it reports)."""
 
 
 class ChunkAffinityRouter(RequestRouter):
-    def initialize_state(self, imbalance: int = 2, **kwargs) -> None:
+    def initialize_state(self, imbalance: int = IMBALANCE, **kwargs) -> None:
         """imbalance: the queue-length gap beyond which the least loaded replica goes first."""
         self._imbalance = imbalance
         self._running: dict[ReplicaID, int] = defaultdict(int)
@@ -43,17 +47,11 @@ class ChunkAffinityRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
-        load = {r.replica_id: self._running[r.replica_id] for r in candidate_replicas}
-        ties = {r.replica_id: random.random() for r in candidate_replicas}  # equal replicas take turns
-        by_load = sorted(candidate_replicas, key=lambda r: (load[r.replica_id], ties[r.replica_id]))
-        chunks = set((pending_request.kwargs.get(ROUTE_KWARG) or ()) if pending_request else ())
-        if not chunks or max(load.values()) - min(load.values()) > self._imbalance:
-            return [[r] for r in by_load]
-        overlap = {r.replica_id: len(chunks & self.holds(r)) for r in candidate_replicas}
-        ranked = sorted(candidate_replicas, key=lambda r: (-overlap[r.replica_id], load[r.replica_id], ties[r.replica_id]))
-        return [[r] for r in ranked]
+        chunks = (pending_request.kwargs.get(ROUTE_KWARG) or ()) if pending_request else ()
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        load = {i: self._running[i] for i in by_id}
+        held = {i: self.holds(r) for i, r in by_id.items()} if chunks else {}
+        return [[by_id[i] for i in group] for group in rank(list(by_id), load, held, chunks, self._imbalance)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         self._running[replica_id] += 1
@@ -73,3 +71,28 @@ class ChunkAffinityRouter(RequestRouter):
         self._running.pop(replica_id, None)
         self._routed.pop(replica_id, None)
         super().on_replica_actor_died(replica_id)
+
+
+def rank(replicas: list, load: dict, held: dict, chunks, imbalance: int = IMBALANCE) -> list[list]:
+    """The groups of replica ids to offer a request, in order (Ray Serve tries each group's least
+    loaded free replica, then the next group, then backs off and asks again).
+
+    replicas: the candidates; load: id -> requests running; held: id -> chunk ids it holds;
+    chunks: the request's chunk ids. With chunks, queues within `imbalance` of each other and
+    some replica holding some of them: one group, the replicas holding the most of them (least
+    loaded first), so the request waits for them. Otherwise every replica, least loaded first,
+    equal loads in random order (so equal replicas take turns).
+    """
+    if not replicas:
+        return []
+    ties = {r: random.random() for r in replicas}
+    by_load = sorted(replicas, key=lambda r: (load.get(r, 0), ties[r]))
+    loads = [load.get(r, 0) for r in replicas]
+    wanted = set(chunks)
+    if not wanted or max(loads) - min(loads) > imbalance:
+        return [[r] for r in by_load]
+    overlap = {r: len(wanted & held.get(r, set())) for r in replicas}
+    best = max(overlap.values())
+    if best == 0:
+        return [[r] for r in by_load]
+    return [[r for r in by_load if overlap[r] == best]]

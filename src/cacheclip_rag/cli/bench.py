@@ -100,12 +100,15 @@ def _bench_load(args) -> int:
 
     cfg = load.LoadConfig(users=args.users, seconds=args.duration, requests=args.requests,
                           mix=load.parse_mix(args.mix), pool=args.pool, documents=args.documents,
-                          max_tokens=min(args.max_new_tokens, 64),
-                          seed=args.seed)
+                          context=args.context, max_tokens=min(args.max_new_tokens, 64), seed=args.seed)
     keys = Keys.from_env(args.api_key, args.admin_key)
     load.check_url(args.url)
-    report = asyncio.run(load.run(args.url, cfg, api_key=keys.api, admin_key=keys.admin, seed_corpus=not args.no_seed,
-                                  progress=progress_bar(cfg.requests, "load", "request")))
+    step = progress_bar(cfg.requests, "load", "request")
+    try:
+        report = asyncio.run(load.run(args.url, cfg, api_key=keys.api, admin_key=keys.admin,
+                                      seed_corpus=not args.no_seed, progress=step))
+    finally:
+        step.close()  # the time bound may end the load before the request bound
     print(load.table(report))
     if args.json:
         load.write_json(report, args.json)
@@ -300,6 +303,8 @@ def add_commands(sub) -> None:
     load.add_argument("--mix", default="chat=0.5,retrieve=0.4,ingest=0.1",
                       help="weights of the request kinds: chat (stored chunk text in the message), retrieve, ingest")
     load.add_argument("--pool", type=int, default=8, help="distinct questions (their chunks repeat across requests)")
+    load.add_argument("--context", type=int, default=2,
+                      help="chunks per question (stuffed into chat requests, retrieved for bare questions)")
     load.add_argument("--documents", type=int, default=24, help="generated notes ingested first, one chunk each")
     load.add_argument("--api-key", default=None, help="the server's API key (default $CACHECLIP_API_KEY)")
     load.add_argument("--admin-key", default=None, help="the server's admin key, for ingests (default $CACHECLIP_ADMIN_KEY)")

@@ -113,7 +113,8 @@ def request_options(args: argparse.Namespace) -> dict:
 
 def progress_bar(total: int, desc: str, unit: str):
     """A progress bar on stderr for a long job; the returned step(message) is called after each
-    of its `total` units (the bar closes itself after the last)."""
+    of its `total` units (the bar closes itself after the last; `step.close()` closes it when the
+    job ends sooner, at a time bound)."""
     from tqdm import tqdm
 
     bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
@@ -124,4 +125,5 @@ def progress_bar(total: int, desc: str, unit: str):
         if bar.n >= total:
             bar.close()
 
+    step.close = bar.close
     return step

@@ -39,7 +39,9 @@ MAX_USERS, MAX_SECONDS, MAX_REQUESTS = 64, 3600, 100_000
 @dataclass(frozen=True)
 class LoadConfig:
     """users: concurrent clients; seconds / requests: the bounds (whichever comes first); mix:
-    kind -> weight; pool: distinct questions; max_tokens per answer; timeout per request (s)."""
+    kind -> weight; pool: distinct questions; context: chunks per question (the top `context`
+    for it, stuffed into a chat request's message, or `k` of a bare question); max_tokens per
+    answer; timeout per request (s)."""
 
     users: int = 4
     seconds: float = 60.0
@@ -47,13 +49,14 @@ class LoadConfig:
     mix: tuple[tuple[str, float], ...] = (("chat", 0.5), ("retrieve", 0.4), ("ingest", 0.1))
     pool: int = 8
     documents: int = 24
+    context: int = 2
     max_tokens: int = 16
     timeout: float = 120.0
     seed: int = 0
 
     def __post_init__(self) -> None:
         for name, top in (("users", MAX_USERS), ("requests", MAX_REQUESTS), ("pool", 1000), ("documents", 10_000),
-                          ("max_tokens", 4096)):
+                          ("context", 64), ("max_tokens", 4096)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
                 raise ValueError(f"{name} must be an integer in [1, {top}], got {value!r}")
@@ -209,8 +212,8 @@ async def _requests_pool(client: Client, cfg: LoadConfig) -> list[tuple[str, dic
     pool = []
     for question in questions[: cfg.pool]:
         base = {"max_tokens": cfg.max_tokens, "temperature": 0}
-        pool.append(("retrieve", {**base, "messages": [{"role": "user", "content": question}]}))
-        r = await client.http.post("/v1/retrieve", json={"query": question, "k": 2})
+        pool.append(("retrieve", {**base, "k": cfg.context, "messages": [{"role": "user", "content": question}]}))
+        r = await client.http.post("/v1/retrieve", json={"query": question, "k": cfg.context})
         if r.status_code != 200:
             raise StatusError(r.status_code, r.text[:200])
         texts = [hit["text"] for hit in r.json()["data"]]
