@@ -164,10 +164,7 @@ def _convert_embedded(spec: EmbeddedModel, target: Path, dtype: torch.dtype) -> 
             gguf_dir, gguf_name = paths[0].parent, paths[0].name
         else:
             gguf_dir, gguf_name = work, spec.gguf_name
-            with open(work / gguf_name, "wb") as out:
-                for path in paths:
-                    with open(path, "rb") as part:
-                        shutil.copyfileobj(part, out, 1 << 22)
+            _concatenate(paths, work / gguf_name)
         log.info("converting %s from GGUF (once; dequantizing takes a while)", spec.name)
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
         gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
@@ -189,6 +186,38 @@ def _convert_embedded(spec: EmbeddedModel, target: Path, dtype: torch.dtype) -> 
         os.replace(out_dir, target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _concatenate(paths: list[Path], out_path: Path) -> None:
+    with open(out_path, "wb") as out:
+        for path in paths:
+            with open(path, "rb") as part:
+                shutil.copyfileobj(part, out, 1 << 22)
+
+
+def gguf_path(name: str) -> Path | None:
+    """The GGUF file an embedded model was converted from (parts joined once into the cache
+    directory, atomically, after their sha256 is checked), for peers that run GGUF files
+    (llama.cpp). None for a model given as a folder or hub id: it has no GGUF here."""
+    spec = EMBEDDED.get(name) if isinstance(name, str) else None
+    if spec is None:
+        return None
+    paths = spec.part_paths()
+    if len(paths) == 1:
+        verify_embedded(spec)
+        return paths[0]
+    target = cache_dir() / "gguf" / spec.gguf_name
+    if target.exists() and _sha256_file([target]) == (spec.sha256, spec.size):
+        return target  # a damaged or partial file is joined again
+    verify_embedded(spec)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        _concatenate(paths, partial)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
 
 
 def resolve(name: str, dtype: torch.dtype = torch.bfloat16) -> str:

@@ -74,8 +74,14 @@ def cmd_bench(args) -> int:
     from ..recompute import attention_path
 
     engine = engine_from_args(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
-    rows = ttft.run(engine, args.lengths, _mode_list(args.modes or ["full", "reuse", "cacheclip"], args.ratios),
-                    runs=args.runs, max_new_tokens=args.max_new_tokens, budget=args.budget)
+    peers = _open_peers(args.peer or [], args.primary, max(args.lengths) + 512)
+    try:
+        rows = ttft.run(engine, args.lengths, _mode_list(args.modes or ["full", "reuse", "cacheclip"], args.ratios),
+                        runs=args.runs, max_new_tokens=args.max_new_tokens, budget=args.budget, peers=peers)
+    finally:
+        for peer in peers.values():
+            if not isinstance(peer, str):
+                peer.close()
     primary, aux = engine.primary.lm.device, engine.aux.lm.device
     overlap = engine.config.pipeline.overlaps(primary, aux)
     print(f"primary on {primary}, aux on {aux}: aux selection "
@@ -89,6 +95,23 @@ def cmd_bench(args) -> int:
     stats = engine.store.stats
     print(f"store memory tier: {stats.memory_hits} hits, {stats.disk_hits} disk reads, {stats.misses} misses")
     return 0
+
+
+def _open_peers(kinds: list[str], primary: str, n_ctx: int) -> dict:
+    """name -> an open peer, or the reason it cannot run here (printed, and kept as its row's note)."""
+    import torch
+
+    from ..eval import peers as peer_lib
+
+    opened: dict = {}
+    for kind in dict.fromkeys(kinds):
+        try:
+            peer = peer_lib.open_peer(kind, primary, torch.get_num_threads(), n_ctx)
+            opened[peer.name] = peer
+        except peer_lib.PeerUnavailable as why:
+            print(f"peer {kind}: {why}")
+            opened[kind] = str(why)
+    return opened
 
 
 def _bench_load(args) -> int:
@@ -282,6 +305,9 @@ def add_commands(sub) -> None:
     p.add_argument("--score-layers", type=int, nargs="+", default=None, help="aux scoring layers (default: profile or last)")
     p.add_argument("--samples", type=int, default=5, help="samples per variant and length")
     p.add_argument("--runs", type=int, default=5, help="ttft: runs per mode")
+    p.add_argument("--peer", action="append", choices=["llamacpp"], default=None,
+                   help="ttft: a peer row, timed in the same alternation: llamacpp, llama.cpp's full prefill of the "
+                        "GGUF the primary was converted from (optional `peers` extra)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated (fidelity: answer tokens compared)")

@@ -3,7 +3,8 @@
 For each length, a synthetic context is chunked and ingested (caches built before timing), then
 every mode answers the same question on the same chunk ids, interleaved run by run so drift on
 a shared machine hits all modes alike. Reported: median and spread of TTFT, its ratio to `full`
-measured in the same run, the breakdown, and the effective recomputed fraction.
+measured in the same run, the breakdown, and the effective recomputed fraction. Peers
+(`eval.peers`: llama.cpp) prefill the `full` request's token ids in the same alternation.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class TTFTRow:
     peak_mb: float
     effective_fraction: float
     correct: float
+    note: str = ""
+    """What a peer's row is (its version, file, threads), or why it has no figures."""
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -91,9 +94,12 @@ def run(
     max_new_tokens: int = 32,
     cold: bool = True,
     budget: str = "keep",
+    peers: dict | None = None,
 ) -> list[TTFTRow]:
     """modes: (mode, ratio) pairs (registered modes or `needle.BENCH_MODES`); `full` is always
     measured as the reference. budget: the selection budget rule of the ratio modes.
+    peers: name -> an open peer (`peers.LlamaCpp`), or the reason it cannot run (a str, kept as
+    its row's note).
 
     cold: empty the store's memory tier before each request, so cache loading from disk (the
     OS page cache, in practice) is part of every reuse-mode TTFT.
@@ -107,6 +113,10 @@ def run(
         engine.answer(question, chunk_ids=ids, mode="cacheclip", max_new_tokens=1)  # warm-up
         samples: dict[tuple[str, float], list] = {m: [] for m in modes}
         peaks: dict[tuple[str, float], list] = {m: [] for m in modes}
+        live = {name: peer for name, peer in (peers or {}).items() if not isinstance(peer, str)}
+        prompt_ids = engine.prepare(question, chunk_ids=ids, **request_for("full", budget)).layout.input_ids.tolist()
+        peer_runs: dict[str, list[tuple[float, int]]] = {name: [] for name in live}
+        peer_peaks: dict[str, list[float]] = {name: [] for name in live}
         for _ in range(runs):
             for mode, ratio in modes:
                 if cold:
@@ -116,6 +126,9 @@ def run(
                         engine.answer(question, chunk_ids=ids, recompute_ratio=ratio, max_new_tokens=max_new_tokens,
                                       **request_for(mode, budget))
                     )
+            for name, peer in live.items():
+                with peak_rss(peer_peaks[name]):
+                    peer_runs[name].append(peer.ttft(prompt_ids))
         full_ttft = _median([a.timings["ttft"] for a in samples[("full", 1.0)]])
         for (mode, ratio), answers in samples.items():
             ttft = [a.timings["ttft"] for a in answers]
@@ -141,7 +154,29 @@ def run(
                     correct=sum(expected in a.text for a in answers) / len(answers),
                 )
             )
+        full_text = samples[("full", 1.0)][0].text
+        for name, peer in (peers or {}).items():
+            rows.append(_peer_row(length, name, peer, peer_runs.get(name, []), peer_peaks.get(name, []), full_ttft,
+                                  prompt_ids, full_text, engine.primary.lm.tokenizer))
     return rows
+
+
+def _peer_row(length: int, name: str, peer, runs: list[tuple[float, int]], peaks: list[float], full_ttft: float,
+              prompt_ids: list[int], full_text: str, tokenizer) -> TTFTRow:
+    """A peer's row: its prefill is all of its TTFT; the note names it and whether its first
+    token is the one `full` generated (the same model on the same tokens should agree)."""
+    nan = float("nan")
+    if isinstance(peer, str):
+        return TTFTRow(length, name, 1.0, len(prompt_ids), 0, nan, nan, nan, nan, 0.0, 0.0, 0.0, nan, 0.0, 0.0, 0.0,
+                       1.0, nan, note=peer)
+    times = [t for t, _ in runs]
+    pieces = [tokenizer.decode([tok]).strip() for _, tok in runs]
+    agree = sum(bool(piece) and full_text.strip().startswith(piece) for piece in pieces)
+    median = _median(times)
+    return TTFTRow(length, name, 1.0, len(prompt_ids), len(times), median, min(times), max(times),
+                   median / full_ttft if full_ttft else nan, 0.0, 0.0, 0.0, median, 0.0, 0.0, _median(peaks), 1.0, nan,
+                   note=f"llama-cpp-python {peer.version}, {peer.gguf.name}, {peer.threads} threads; first token as "
+                        f"full's in {agree}/{len(runs)} runs")
 
 
 def table(rows: list[TTFTRow]) -> str:
@@ -155,9 +190,10 @@ def table(rows: list[TTFTRow]) -> str:
             f"{r.length:>5} {r.mode:<15} {_ratio_cell(r.ratio):>5} {r.prompt_tokens:>6} {r.ttft_median:>7.3f} "
             f"{f'[{r.ttft_min:.2f}-{r.ttft_max:.2f}]':>13} {r.vs_full:>6.3f} {r.selection:>6.3f} {r.selection_hidden:>6.3f} "
             f"{r.load:>6.3f} {r.assemble:>6.3f} {r.load_wait:>6.3f} {r.recompute:>6.3f} {r.peak_mb:>7.1f} "
-            f"{100 * r.effective_fraction:>5.1f} {r.correct:>4.2f}"
+            f"{100 * r.effective_fraction:>5.1f} {r.correct:>4.2f}".replace("nan", "  -")
         )
-    return "\n".join(lines)
+    notes = [f"{r.mode} at {r.length}: {r.note}" for r in rows if r.note]
+    return "\n".join(lines + notes)
 
 
 def plot(rows: list[TTFTRow], path: str | Path) -> None:
