@@ -159,3 +159,16 @@ def cli_exit(argv):
         return main(argv)
     except SystemExit as exit_:  # argparse rejects malformed flags with exit status 2
         return exit_.code
+
+
+def test_bench_ttft_peer_row_says_a_folder_primary_has_no_gguf(folders, tmp_path, capsys):
+    out = tmp_path / "t.json"
+    assert main(["bench", "ttft", "--lengths", "100", "--runs", "1", "--modes", "cacheclip", "--ratios", "0.5",
+                 "--chunk-tokens", "40", "--max-new-tokens", "2", "--peer", "llamacpp", "--json", str(out),
+                 *_args(folders, tmp_path / "s")]) == 0
+    printed = capsys.readouterr().out
+    assert "has no GGUF" in printed
+    rows = json.loads(out.read_text())
+    assert [r["mode"] for r in rows] == ["full", "cacheclip", "llamacpp"]
+    assert "has no GGUF" in rows[-1]["note"] and rows[-1]["runs"] == 0
+    assert main(["bench", "ttft", "--peer", "vllm"]) == 2

@@ -224,3 +224,19 @@ def test_an_abandoned_stream_leaves_the_threads_grad_mode_alone(tiny_pair, tmp_p
             gc.collect()
             assert torch.is_inference_mode_enabled()  # a late exit did not switch it off here
         assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+
+def test_store_counters_count_chunk_reads_per_model_and_not_the_shared_prefix(engine):
+    ids = engine.ids[:2]
+    engine.store.clear_memory()
+    before = engine.stats()
+    engine.answer(QUESTION, chunk_ids=ids, max_new_tokens=2)
+    first = engine.stats()
+    # the primary read each chunk once, from the store (the prefix is kept with the caches, not re-read)
+    assert first["primary_disk_hits"] - before["primary_disk_hits"] == len(ids)
+    assert first["primary_memory_hits"] == before["primary_memory_hits"]
+    engine.answer(QUESTION, chunk_ids=ids, max_new_tokens=2)
+    second = engine.stats()
+    assert second["primary_memory_hits"] - first["primary_memory_hits"] == len(ids)  # now from the memory tier
+    assert second["primary_disk_hits"] == first["primary_disk_hits"]
+    assert second["memory_hits"] >= second["primary_memory_hits"]  # the totals include the aux's reads

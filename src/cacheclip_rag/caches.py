@@ -8,7 +8,7 @@ written once. A cache found damaged is discarded and re-encoded, never used.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +53,7 @@ class ChunkCaches:
     role: str
     storage: torch.dtype
     adapters: PacketAdapters | None = None
+    _prefix: ChunkKV | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def open(cls, lm: LoadedModel, store: KVStore, prompt: PromptConfig, role: str,
@@ -70,8 +71,7 @@ class ChunkCaches:
         if digest is not None:
             about["packets"] = {"adapters": digest, "n_header": adapters.shape[0], "n_trailer": adapters.shape[1]}
         store.describe_namespace(caches.namespace, about)
-        if not torch.equal(caches.prefix().token_ids, prefix_ids):  # a prefix cached under other ids
-            caches.store.put_kv(caches.namespace, PREFIX_KEY, encode_prefix(lm, template.prefix).to(storage))
+        caches.prefix()
         return caches
 
     def get(self, chunk_id: str, text: str | None = None) -> ChunkKV:
@@ -80,12 +80,16 @@ class ChunkCaches:
         return kv if kv is not None else self.encode(chunk_id, text)
 
     def prefix(self) -> ChunkKV:
-        """The shared prefix's cache (re-encoded if it went missing or was damaged)."""
-        kv = self.store.get_kv(self.namespace, PREFIX_KEY)
-        if kv is None:
-            kv = encode_prefix(self.lm, self.template.prefix).to(self.storage)
-            self.store.put_kv(self.namespace, PREFIX_KEY, kv)
-        return kv
+        """The shared prefix's cache: read from the store once (encoded and stored if it is
+        missing, damaged or cached under other ids), then kept here, since every request of this
+        model uses the same one (so the memory tier's counters are the chunks' alone)."""
+        if self._prefix is None:
+            kv = self.store.get_kv(self.namespace, PREFIX_KEY)
+            if kv is None or not torch.equal(kv.token_ids, self.prefix_ids):
+                kv = encode_prefix(self.lm, self.template.prefix).to(self.storage)
+                self.store.put_kv(self.namespace, PREFIX_KEY, kv)
+            self._prefix = kv
+        return self._prefix
 
     def open_layers(self, chunk_id: str, text: str | None = None) -> ChunkKV | LayerReader:
         """For layer-wise loading: the cache in memory, a reader that loads one layer at a time,

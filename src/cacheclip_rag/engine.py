@@ -214,10 +214,13 @@ class CacheClipEngine:
                 "modes": list(self.modes())}
 
     def stats(self) -> dict:
-        """This process's store counters: cache reads served from the memory tier, from the store,
-        and misses (encoded), and cache writes."""
-        s = self.store.stats
-        return {"memory_hits": s.memory_hits, "disk_hits": s.disk_hits, "misses": s.misses, "writes": s.writes}
+        """This process's store counters: chunk-cache reads served from the memory tier, from the
+        store, and misses (encoded), and cache writes; `primary_*`: the same for the primary's
+        caches alone, the ones chunk-affinity routing keeps in a replica's memory tier (the aux
+        reads only its scoring layers, from the store, unless the whole cache is in memory)."""
+        s, p = self.store.stats, self.store.stats_of(self.primary.namespace)
+        return {"memory_hits": s.memory_hits, "disk_hits": s.disk_hits, "misses": s.misses, "writes": s.writes,
+                "primary_memory_hits": p.memory_hits, "primary_disk_hits": p.disk_hits, "primary_misses": p.misses}
 
     def cached_chunks(self) -> list[str]:
         """The chunks whose primary caches are in this process's memory tier (what a request over

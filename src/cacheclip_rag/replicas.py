@@ -250,7 +250,8 @@ class RemoteEngine:
     def stats(self) -> dict:
         """The replicas' store counters summed (as each last reported them with an answer)."""
         seen = list(self._replica_stats.values())
-        total = {k: sum(s[k] for s in seen) for k in ("memory_hits", "disk_hits", "misses", "writes")}
+        keys = {k for s in seen for k in s if k != "pid"} or {"memory_hits", "disk_hits", "misses", "writes"}
+        total = {k: sum(s.get(k, 0) for s in seen) for k in sorted(keys)}
         return {**total, "replicas_reporting": len(seen)}
 
 

@@ -50,6 +50,7 @@ from .answer import Answer, AnswerStream
 from .backends.base import StoreUnavailableError
 from .engine import CacheClipEngine
 from .request import DEFAULTS, RequestOptions
+from .store import hit_rate
 
 log = logging.getLogger(__name__)
 
@@ -406,8 +407,7 @@ async def health(request: Request):
 async def stats(request: Request):
     """The engine's (or replicas') store counters: how often a request's caches came from memory."""
     counters = _serving(request).engine.stats()
-    reads = counters["memory_hits"] + counters["disk_hits"] + counters["misses"]
-    return {**counters, "memory_hit_rate": counters["memory_hits"] / reads if reads else None}
+    return {**counters, "memory_hit_rate": hit_rate(counters), "primary_memory_hit_rate": hit_rate(counters, "primary_")}
 
 
 @router.get("/", response_class=HTMLResponse)

@@ -18,6 +18,7 @@ engine rebuilds it from the chunk's text. This checking is here, once, above eve
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import logging
 import os
@@ -48,6 +49,14 @@ class StoreStats:
     writes: int = 0
 
 
+def hit_rate(counters: dict, prefix: str = "") -> float | None:
+    """Memory-tier hits over all chunk-cache reads, from `CacheClipEngine.stats` counters (or
+    differences of them); None before any read."""
+    hits = counters.get(prefix + "memory_hits", 0)
+    reads = hits + counters.get(prefix + "disk_hits", 0) + counters.get(prefix + "misses", 0)
+    return hits / reads if reads else None
+
+
 def open_store(location: str | os.PathLike, cfg: StoreConfig | None = None) -> KVStore:
     """A store named by a folder path or a URL (memory://name, redis://host:port/db)."""
     return KVStore(location, cfg)
@@ -66,6 +75,7 @@ class KVStore:
             self.backend = location
         self.cfg = cfg or StoreConfig()
         self.stats = StoreStats()
+        self._by_namespace: dict[str, StoreStats] = {}
         self._memory = MemoryTier(self.cfg.memory_bytes)
         self._lock = threading.Lock()  # guards the stats
 
@@ -252,7 +262,7 @@ class KVStore:
     def put_kv(self, namespace: str, key: str, kv: ChunkKV) -> None:
         check_namespace(namespace)
         self.backend.put(namespace, key, *to_record(kv, namespace, key))
-        self._count("writes")
+        self._count("writes", namespace=namespace)
         self._memory.put((namespace, key), kv)
 
     def get_kv(self, namespace: str, key: str) -> ChunkKV | None:
@@ -270,12 +280,12 @@ class KVStore:
         check_namespace(namespace)
         hit = self._memory.get((namespace, key))
         if hit is not None:
-            self._count("memory_hits")
+            self._count("memory_hits", namespace=namespace)
             return hit
         try:
             record = self.backend.get(namespace, key)
             if record is None:
-                self._count("misses")
+                self._count("misses", namespace=namespace)
                 return None
             reader = LayerReader(record, namespace, key)
             found = reader.read_all() if whole else reader
@@ -284,7 +294,7 @@ class KVStore:
         except (OSError, ValueError, KeyError) as err:
             self.discard(namespace, key, err)
             return None
-        self._count("disk_hits")
+        self._count("disk_hits", namespace=namespace)
         if whole:
             self._memory.put((namespace, key), found)
         return found
@@ -299,7 +309,7 @@ class KVStore:
                     key, self.location, namespace[:12], why)
         self.backend.delete(namespace, key)
         self._memory.pop((namespace, key))
-        self._count("damaged", "misses")
+        self._count("damaged", "misses", namespace=namespace)
 
     def remember(self, namespace: str, key: str, kv: ChunkKV) -> None:
         """Put a cache that was read layer by layer into the memory tier."""
@@ -316,10 +326,17 @@ class KVStore:
     def memory_bytes(self) -> int:
         return self._memory.nbytes
 
-    def _count(self, *names: str) -> None:
+    def stats_of(self, namespace: str) -> StoreStats:
+        """The counters of one namespace's caches (one model's), a copy."""
         with self._lock:
+            return dataclasses.replace(self._by_namespace.get(namespace) or StoreStats())
+
+    def _count(self, *names: str, namespace: str) -> None:
+        with self._lock:
+            mine = self._by_namespace.setdefault(namespace, StoreStats())
             for name in names:
                 setattr(self.stats, name, getattr(self.stats, name) + 1)
+                setattr(mine, name, getattr(mine, name) + 1)
 
 
 @dataclass(frozen=True)

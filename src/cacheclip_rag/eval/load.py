@@ -30,6 +30,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from ..haystack import prose
+from ..store import hit_rate
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 KINDS = ("chat", "retrieve", "ingest")
@@ -119,6 +120,9 @@ class LoadReport:
     ingested: int = 0
     lost_ingests: int = 0
     hit_rate: float | None = None
+    """Chunk-cache reads (both models) served by the servers' memory tiers during the load."""
+    primary_hit_rate: float | None = None
+    """The same for the primary's caches alone: what chunk-affinity routing keeps in memory."""
 
     def summary(self) -> dict:
         done = [o for o in self.outcomes if o.ok]
@@ -133,7 +137,8 @@ class LoadReport:
                 "ttft": percentiles(sorted(o.ttft for o in done if o.ttft is not None)),
                 "errors": dict(Counter(o.error for o in self.outcomes if o.error)),
                 "wrong": sum(o.wrong for o in self.outcomes), "ingested": self.ingested,
-                "lost_ingests": self.lost_ingests, "memory_hit_rate": self.hit_rate, "by_kind": rows}
+                "lost_ingests": self.lost_ingests, "memory_hit_rate": self.hit_rate,
+                "primary_memory_hit_rate": self.primary_hit_rate, "by_kind": rows}
 
 
 def percentiles(sorted_values: list[float]) -> dict:
@@ -238,9 +243,8 @@ async def run(url: str, cfg: LoadConfig, *, api_key: str | None = None, admin_ke
         before = await client.stats()
         report = await _load(client, cfg, pool, reference, progress)
         after = await client.stats()
-        reads = {k: after.get(k, 0) - before.get(k, 0) for k in ("memory_hits", "disk_hits", "misses")}
-        total = sum(reads.values())
-        report.hit_rate = reads["memory_hits"] / total if total else None
+        during = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int)}
+        report.hit_rate, report.primary_hit_rate = hit_rate(during), hit_rate(during, "primary_")
         return report
     finally:
         await client.http.aclose()
@@ -312,9 +316,12 @@ def table(report: LoadReport) -> str:
     t = s["ttft"]
     lines.append(f"{'all':<9} {s['requests']:>8} {s['ok']:>5} {s['wrong']:>5} {ms(t['p50']):>11} {ms(t['p95']):>7} "
                  f"{ms(t['p99']):>7}")
-    rate = "-" if s["memory_hit_rate"] is None else f"{100 * s['memory_hit_rate']:.1f}%"
+    def pct(x):
+        return "-" if x is None else f"{100 * x:.1f}%"
+
     lines.append(f"errors: {s['errors'] or 'none'}; wrong answers: {s['wrong']}; ingested {s['ingested']}, lost "
-                 f"{s['lost_ingests']}; memory-tier hit rate {rate}")
+                 f"{s['lost_ingests']}; memory-tier hit rate {pct(s['memory_hit_rate'])} (primary caches "
+                 f"{pct(s['primary_memory_hit_rate'])})")
     return "\n".join(lines)
 
 
