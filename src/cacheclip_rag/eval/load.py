@@ -109,6 +109,8 @@ class Outcome:
     wrong: bool = False
     at: float = 0.0
     """Seconds from the load's start to this request's start."""
+    detail: str | None = None
+    """A failed request's message (the start of the server's error body)."""
 
 
 @dataclass
@@ -273,7 +275,7 @@ async def _load(client: Client, cfg: LoadConfig, pool: list, reference: dict, pr
             text, ttft = await client.ask(pool[i][1])
             return Outcome(kind, True, ttft, time.perf_counter() - t0, wrong=text != reference[i])
         except Exception as err:  # noqa: BLE001 - every failure is counted by kind
-            return Outcome(kind, False, seconds=time.perf_counter() - t0, error=error_kind(err))
+            return Outcome(kind, False, seconds=time.perf_counter() - t0, error=error_kind(err), detail=str(err)[:300])
 
     async def user() -> None:
         while budget["left"] > 0 and time.perf_counter() < deadline:
