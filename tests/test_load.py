@@ -48,3 +48,15 @@ def test_load_bounds_and_addresses_are_checked():
         load.LoadConfig(mix=(("chat", 1.0), ("delete", 1.0)))
     assert load.parse_mix("chat=1,ingest=0.5") == (("chat", 1.0), ("ingest", 0.5))
     assert main(["bench", "load", "--url", "http://example.com:80"]) == 2
+
+
+def test_each_load_question_retrieves_its_own_note(tmp_path):
+    """The load's questions must reuse chunks the way a RAG workload does: each over its own
+    note (a corpus whose questions all retrieve one note measures nothing about routing)."""
+    from cacheclip_rag.index import ChunkIndex
+
+    pairs = load.corpus(32)
+    index = ChunkIndex(tmp_path / "index")
+    index.add([(f"n{i}", text) for i, (text, _) in enumerate(pairs)])
+    assert all(index.search(question, 1)[0][0] == f"n{i}" for i, (_, question) in enumerate(pairs))
+    assert len({text for text, _ in pairs}) == 32 and load.corpus(32) == pairs  # distinct, deterministic

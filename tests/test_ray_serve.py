@@ -177,19 +177,24 @@ def test_a_folder_store_is_refused_across_nodes():
 
 
 def test_the_affinity_policy_waits_for_the_holder_unless_queues_are_imbalanced():
-    from cacheclip_rag.routing import rank
+    from cacheclip_rag.routing import home, rank
 
     held = {"a": {"c1", "c2"}, "b": {"c3"}, "c": set()}
     # balanced queues: only the replica holding most of the chunks is offered, so the request waits for it
     assert rank(["a", "b", "c"], {"a": 2, "b": 1, "c": 1}, held, ["c1", "c2", "c3"], imbalance=1) == [["a"]]
-    # equal best holders: both, least loaded first
-    held2 = {"a": {"c1"}, "b": {"c1"}, "c": set()}
-    assert rank(["a", "b", "c"], {"a": 1, "b": 0, "c": 0}, held2, ["c1"], imbalance=1) == [["b", "a"]]
+    # two holders of a chunk (one got it while the other was busy): its home wins
+    both = {"a": {"c1"}, "b": {"c1"}, "c": set()}
+    assert home("c1", ["a", "b", "c"]) == "a"  # crc32: the same everywhere
+    assert rank(["a", "b", "c"], {"a": 1, "b": 0, "c": 0}, both, ["c1"], imbalance=1) == [["a"]]
+    # chunks nobody holds go to their home, so the replicas partition the corpus
+    for chunk in ("x1", "x2", "x3", "x4"):
+        assert rank(["a", "b"], {"a": 0, "b": 0}, {}, [chunk]) == [[home(chunk, ["a", "b"])]]
+    assert {home(f"k{i}", ["a", "b"]) for i in range(32)} == {"a", "b"}  # homes spread over replicas
+    assert home("x1", ["a", "b"]) == home("x1", ["b", "a"])  # independent of order
     # imbalanced beyond the bound: every replica, least loaded first
     assert rank(["a", "b", "c"], {"a": 2, "b": 1, "c": 0}, held, ["c1"], imbalance=1) == [["c"], ["b"], ["a"]]
-    # no chunk ids (an ingest), or chunks nobody holds: least loaded first, all offered
+    # no chunk ids (an ingest): least loaded first, all offered
     assert rank(["a", "b"], {"a": 1, "b": 0}, held, [], imbalance=1) == [["b"], ["a"]]
-    assert rank(["a", "b"], {"a": 1, "b": 0}, held, ["zz"], imbalance=1) == [["b"], ["a"]]
     # equal loads take turns
     firsts = {rank(["a", "b"], {}, {}, [])[0][0] for _ in range(64)}
     assert firsts == {"a", "b"}

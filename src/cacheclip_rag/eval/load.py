@@ -70,15 +70,31 @@ class LoadConfig:
             raise ValueError(f"mix must weigh kinds among {KINDS} with non-negative weights, some positive, got {self.mix!r}")
 
 
+_NAMES = ("alder", "basalt", "cobalt", "dahlia", "ember", "falcon", "garnet", "heron", "indigo", "juniper", "kestrel",
+          "lantern", "marble", "nutmeg", "orchid", "pepper", "quartz", "raven", "saffron", "thistle", "umber", "violet",
+          "walrus", "yarrow", "zephyr", "acorn", "bramble", "cedar", "driftwood", "elm", "fennel", "granite", "hazel",
+          "iris", "jasper", "kelp", "lichen", "maple", "nettle", "oyster", "pumice", "quince", "rosemary", "sorrel",
+          "tamarind", "urchin", "vervain", "willow", "yew", "zinnia", "anchor", "beacon", "compass", "dune", "estuary",
+          "fjord", "glacier", "harbor", "island", "jetty", "knoll", "lagoon", "meadow", "nebula", "oasis", "prairie")
+"""Distinct words that name the notes' sites (a retriever tells notes apart by them, not by numbers)."""
+
+
+def _site(i: int) -> str:
+    """The i-th site's name: one word, then pairs of words (as many as the corpus needs)."""
+    n = len(_NAMES)
+    return _NAMES[i] if i < n else f"{_NAMES[(i // n - 1) % n]} {_NAMES[i % n]}"
+
+
 def corpus(n: int, seed: int = 0) -> list[tuple[str, str]]:
-    """n (document, question) pairs: a titled note of prose around one fact, and a question only
-    that note answers. Deterministic for (n, seed)."""
+    """n (document, question) pairs: a note about one named site, prose around one fact, and a
+    question only that note answers (the site's name is in both, so retrieval finds the note;
+    `tests/test_load.py` checks it does). Deterministic for (n, seed)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        site, code = f"depot {i + 1:03d}", f"{rng.randrange(10_000):04d}-{rng.randrange(10_000):04d}"
-        fact = f"The gate code of {site} is {code}."
-        text = f"Note on {site}\n{prose(rng, 4)} {fact} {prose(rng, 4)}"
+        site, code = f"the {_site(i)} depot", f"{rng.randrange(10_000):04d}-{rng.randrange(10_000):04d}"
+        text = (f"Note on {site}\nThis note is about {site}. {prose(rng, 3)} The gate code of {site} is {code}. "
+                f"{prose(rng, 3)} Visitors to {site} sign in at its gate.")
         out.append((text, f"What is the gate code of {site}?"))
     return out
 
