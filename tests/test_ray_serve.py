@@ -39,7 +39,7 @@ def service(tiny_pair, tmp_path_factory):
     spec = replicas.ReplicaSpec(folders[0], folders[1], str(root / "store"), _config(), threads=1)
     replicas.start(None, "127.0.0.1", PORT, cpus=2)
     try:
-        replicas.run(spec, 2, blocking=False, keys=Keys(ASK, ADMIN), default_max_tokens=6)
+        replicas.run(spec, 2, blocking=False, keys=Keys(ASK, ADMIN), default_max_tokens=6, imbalance=1)
         url = f"http://127.0.0.1:{PORT}"
         r = httpx.post(url + "/v1/documents", json={"documents": CORPUS[:4]}, timeout=120, headers=_auth(ADMIN))
         assert r.status_code == 200, r.text
@@ -199,3 +199,10 @@ def test_the_affinity_policy_waits_for_the_holder_unless_queues_are_imbalanced()
     firsts = {rank(["a", "b"], {}, {}, [])[0][0] for _ in range(64)}
     assert firsts == {"a", "b"}
     assert rank([], {}, {}, ["c1"]) == []
+
+
+def test_serve_refuses_a_negative_route_imbalance(capsys):
+    from cacheclip_rag.cli import main
+
+    assert main(["serve", "--replicas", "2", "--route-imbalance", "-1", "--store", "redis://127.0.0.1:1/0"]) == 2
+    assert "--route-imbalance must be at least 0" in capsys.readouterr().err

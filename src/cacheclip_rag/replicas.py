@@ -283,10 +283,11 @@ def check_store(store: str, nodes: int) -> None:
 
 def build(spec: ReplicaSpec, replicas: int, *, router: str = "chunk-affinity", keys: Keys | None = None,
           max_active: int = 2, max_waiting: int = 8, default_max_tokens: int | None = None,
-          model_name: str | None = None, routing_stats_period_s: float = 1.0):
+          model_name: str | None = None, routing_stats_period_s: float = 1.0, imbalance: int | None = None):
     """The Ray Serve application: the ingress over `replicas` engine replicas. max_active is per
     replica (its `max_ongoing_requests`); the ingress admits max_active x replicas at once and
-    queues max_waiting more (503 beyond)."""
+    queues max_waiting more (503 beyond). imbalance: the chunk-affinity router's load bound
+    (`routing.IMBALANCE` when None)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -298,6 +299,8 @@ def build(spec: ReplicaSpec, replicas: int, *, router: str = "chunk-affinity", k
                                ray_actor_options={"num_cpus": spec.threads},
                                request_router_config=RequestRouterConfig(
                                    request_router_class=ROUTERS[router],
+                                   request_router_kwargs={"imbalance": imbalance} if (
+                                       router == "chunk-affinity" and imbalance is not None) else {},
                                    request_routing_stats_period_s=routing_stats_period_s))
     ingress = serve.deployment(serve.ingress()(Ingress), name="cacheclip-ingress", ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=max(64, 4 * (max_active * replicas + max_waiting)))

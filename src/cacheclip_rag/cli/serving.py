@@ -45,6 +45,8 @@ def _serve_replicas(args, keys) -> int:
 
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.route_imbalance is not None and args.route_imbalance < 0:
+        raise ValueError(f"--route-imbalance must be at least 0, got {args.route_imbalance}")
     threads = args.replica_threads or max(1, (os.cpu_count() or 1) // args.replicas)
     spec = replicas.ReplicaSpec(args.primary, args.aux, args.store, engine_config(args), threads=threads)
     nodes = replicas.start(args.ray_address, args.host, args.port)
@@ -56,7 +58,7 @@ def _serve_replicas(args, keys) -> int:
               f"Serve ({nodes} node{'s' if nodes > 1 else ''}, {args.router} routing, {threads} threads each; store "
               f"{args.store})")
         replicas.run(spec, args.replicas, blocking=True, router=args.router, keys=keys, max_active=args.max_active,
-                     max_waiting=args.max_waiting, default_max_tokens=args.max_tokens)
+                     max_waiting=args.max_waiting, default_max_tokens=args.max_tokens, imbalance=args.route_imbalance)
     except KeyboardInterrupt:
         pass
     finally:
@@ -86,6 +88,10 @@ def add_commands(sub) -> None:
     p.add_argument("--router", default="chunk-affinity", choices=["chunk-affinity", "default"],
                    help="with --replicas: send a request to the replica holding its chunks in memory "
                         "(chunk-affinity), or Ray Serve's default power-of-two-choices router")
+    p.add_argument("--route-imbalance", type=int, default=None, metavar="K",
+                   help="with chunk-affinity routing: a request waits for the replica holding its chunks unless the "
+                        "replicas' running requests differ by more than K (default 1; 0: only among equally loaded "
+                        "replicas)")
     p.add_argument("--replica-threads", type=int, default=None, metavar="T",
                    help="with --replicas: torch threads (and Ray CPUs) per replica; default cores / N")
     p.add_argument("--admin-key", default=None, metavar="KEY",
