@@ -44,14 +44,14 @@ def test_llama_cpp_prefills_the_same_model_to_the_same_first_token():
     from cacheclip_rag.models import load
 
     aux = load(DEFAULT_AUX)
-    ids = aux.tokenizer.apply_chat_template([{"role": "user", "content": "Name the capital of France in one word."}],
-                                            add_generation_prompt=True, return_dict=True)["input_ids"]
+    ids = aux.tokenizer("Monday, Tuesday, Wednesday, Thursday, Friday, Saturday,")["input_ids"]
     with torch.no_grad():
-        ours = int(aux.model(torch.tensor([ids])).logits[0, -1].argmax())
+        top = aux.model(torch.tensor([ids])).logits[0, -1].float().topk(2)
+    assert top.values[0] - top.values[1] > 1.0  # a clear pick (llama.cpp's Q4 kernels may swap close ones)
     peer = peers.open_peer("llamacpp", DEFAULT_AUX, torch.get_num_threads(), 512)
     try:
         seconds, first = peer.ttft(list(ids))
-        assert seconds > 0 and first == ours
+        assert seconds > 0 and first == int(top.indices[0])
         assert peer.ttft(list(ids))[1] == first  # each call starts from an empty context
     finally:
         peer.close()
