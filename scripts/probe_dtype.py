@@ -55,7 +55,7 @@ def main() -> None:
         print(f"{d:<9} {args.tokens} tokens prefill: median {med[d]:.2f} s  runs {[round(x, 2) for x in v]}")
     print(f"bf16 / float32 = {med['bfloat16'] / med['float32']:.2f}")
     for d in models:
-        if d != "float32":
+        if d not in ("float32", "bfloat16"):
             same = (picks[d] == picks["float32"]).float().mean().item()
             print(f"{d} / float32 = {med[d] / med['float32']:.2f}; {d} / bf16 = {med[d] / med['bfloat16']:.2f}; "
                   f"greedy picks as float32's on the last 8 positions: {100 * same:.0f}%")
