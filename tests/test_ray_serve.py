@@ -195,6 +195,9 @@ def test_the_affinity_policy_waits_for_the_holder_unless_queues_are_imbalanced()
     assert rank(["a", "b", "c"], {"a": 2, "b": 1, "c": 0}, held, ["c1"], imbalance=1) == [["c"], ["b"], ["a"]]
     # no chunk ids (an ingest): least loaded first, all offered
     assert rank(["a", "b"], {"a": 1, "b": 0}, held, [], imbalance=1) == [["b"], ["a"]]
+    # the default bound (0): a busier holder is not waited for; an equally loaded one is preferred
+    assert rank(["a", "b"], {"a": 1, "b": 0}, {"a": {"c1"}}, ["c1"]) == [["b"], ["a"]]
+    assert rank(["a", "b"], {"a": 1, "b": 1}, {"a": {"c1"}}, ["c1"]) == [["a"]]
     # equal loads take turns
     firsts = {rank(["a", "b"], {}, {}, [])[0][0] for _ in range(64)}
     assert firsts == {"a", "b"}

@@ -31,8 +31,11 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 
 ROUTE_KWARG = "route_chunks"
 """The keyword argument a routed call carries its chunk ids in."""
-IMBALANCE = 1
-"""The default queue-length gap beyond which load outranks locality."""
+IMBALANCE = 0
+"""The default queue-length gap beyond which load outranks locality: 0, affinity among equally
+loaded replicas only, so no request waits for a holder (measured on CPU replicas over a local
+store, where a miss costs milliseconds and a wait a request: docs/scale-out.md). Raise it where
+a miss costs more than a wait."""
 REMEMBERED = 4096
 """Chunk ids remembered per replica from routing (beyond what it reports), at most."""
 FRESH_S = 5.0

@@ -90,8 +90,8 @@ def add_commands(sub) -> None:
                         "(chunk-affinity), or Ray Serve's default power-of-two-choices router")
     p.add_argument("--route-imbalance", type=int, default=None, metavar="K",
                    help="with chunk-affinity routing: a request waits for the replica holding its chunks unless the "
-                        "replicas' running requests differ by more than K (default 1; 0: only among equally loaded "
-                        "replicas)")
+                        "replicas' running requests differ by more than K (default 0: affinity among equally loaded "
+                        "replicas only, no waiting; 2 kept twice the memory hits on 2 CPU replicas, at a longer tail)")
     p.add_argument("--replica-threads", type=int, default=None, metavar="T",
                    help="with --replicas: torch threads (and Ray CPUs) per replica; default cores / N")
     p.add_argument("--admin-key", default=None, metavar="KEY",
