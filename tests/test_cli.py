@@ -171,4 +171,6 @@ def test_bench_ttft_peer_row_says_a_folder_primary_has_no_gguf(folders, tmp_path
     rows = json.loads(out.read_text())
     assert [r["mode"] for r in rows] == ["full", "cacheclip", "llamacpp"]
     assert "has no GGUF" in rows[-1]["note"] and rows[-1]["runs"] == 0
-    assert main(["bench", "ttft", "--peer", "vllm"]) == 2
+    with pytest.raises(SystemExit) as exited:  # argparse refuses an unknown peer by name
+        main(["bench", "ttft", "--peer", "vllm"])
+    assert exited.value.code == 2 and "invalid choice: 'vllm'" in capsys.readouterr().err
