@@ -12,11 +12,8 @@ for this CPU (`INSTALL`); it is not part of `make test`.
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 PEERS = ("llamacpp",)
 INSTALL = ("CMAKE_ARGS=-DGGML_NATIVE=ON pip install --no-binary llama-cpp-python 'cacheclip-rag[peers]' "
@@ -34,15 +31,14 @@ class LlamaCpp:
 
     def __init__(self, gguf: Path, threads: int, n_ctx: int):
         try:
-            from llama_cpp import Llama
+            import llama_cpp
         except ImportError:
             raise PeerUnavailable(f"llama-cpp-python is not installed: {INSTALL}") from None
-        import llama_cpp
 
         self.version = llama_cpp.__version__
         self.gguf, self.threads = Path(gguf), threads
-        self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         logits_all=False, verbose=False)
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                                   logits_all=False, verbose=False)
 
     @classmethod
     def for_model(cls, model: str, threads: int, n_ctx: int) -> LlamaCpp:

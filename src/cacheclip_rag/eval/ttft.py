@@ -114,7 +114,8 @@ def run(
         samples: dict[tuple[str, float], list] = {m: [] for m in modes}
         peaks: dict[tuple[str, float], list] = {m: [] for m in modes}
         live = {name: peer for name, peer in (peers or {}).items() if not isinstance(peer, str)}
-        prompt_ids = engine.prepare(question, chunk_ids=ids, **request_for("full", budget)).layout.input_ids.tolist()
+        prompt_ids = (engine.prepare(question, chunk_ids=ids, **request_for("full", budget)).layout.input_ids.tolist()
+                      if live else [])  # what a peer prefills: the `full` request's token ids
         peer_runs: dict[str, list[tuple[float, int]]] = {name: [] for name in live}
         peer_peaks: dict[str, list[float]] = {name: [] for name in live}
         for _ in range(runs):
@@ -154,27 +155,30 @@ def run(
                     correct=sum(expected in a.text for a in answers) / len(answers),
                 )
             )
-        full_text = samples[("full", 1.0)][0].text
+        full = samples[("full", 1.0)][0]
         for name, peer in (peers or {}).items():
             rows.append(_peer_row(length, name, peer, peer_runs.get(name, []), peer_peaks.get(name, []), full_ttft,
-                                  prompt_ids, full_text, engine.primary.lm.tokenizer))
+                                  full, engine.primary.lm.tokenizer))
     return rows
 
 
 def _peer_row(length: int, name: str, peer, runs: list[tuple[float, int]], peaks: list[float], full_ttft: float,
-              prompt_ids: list[int], full_text: str, tokenizer) -> TTFTRow:
-    """A peer's row: its prefill is all of its TTFT; the note names it and whether its first
-    token is the one `full` generated (the same model on the same tokens should agree)."""
+              full, tokenizer) -> TTFTRow:
+    """A peer's row beside `full` (an Answer of the same prompt): its prefill is all of its TTFT;
+    the note names it and whether its first token is the one `full` generated (the same model on
+    the same tokens should agree)."""
     nan = float("nan")
+    same = dict(length=length, mode=name, ratio=1.0, prompt_tokens=full.prompt_tokens, selection=0.0, load=0.0,
+                assemble=0.0, selection_hidden=0.0, load_wait=0.0, effective_fraction=1.0, correct=nan)
     if isinstance(peer, str):
-        return TTFTRow(length, name, 1.0, len(prompt_ids), 0, nan, nan, nan, nan, 0.0, 0.0, 0.0, nan, 0.0, 0.0, 0.0,
-                       1.0, nan, note=peer)
+        return TTFTRow(**same, runs=0, ttft_median=nan, ttft_min=nan, ttft_max=nan, vs_full=nan, recompute=nan,
+                       peak_mb=0.0, note=peer)
     times = [t for t, _ in runs]
     pieces = [tokenizer.decode([tok]).strip() for _, tok in runs]
-    agree = sum(bool(piece) and full_text.strip().startswith(piece) for piece in pieces)
+    agree = sum(bool(piece) and full.text.strip().startswith(piece) for piece in pieces)
     median = _median(times)
-    return TTFTRow(length, name, 1.0, len(prompt_ids), len(times), median, min(times), max(times),
-                   median / full_ttft if full_ttft else nan, 0.0, 0.0, 0.0, median, 0.0, 0.0, _median(peaks), 1.0, nan,
+    return TTFTRow(**same, runs=len(times), ttft_median=median, ttft_min=min(times), ttft_max=max(times),
+                   vs_full=median / full_ttft if full_ttft else nan, recompute=median, peak_mb=_median(peaks),
                    note=f"llama-cpp-python {peer.version}, {peer.gguf.name}, {peer.threads} threads; first token as "
                         f"full's in {agree}/{len(runs)} runs")
 
