@@ -107,10 +107,15 @@ def test_bench_fidelity_frontier_places_each_mode_at_its_ttft(folders, tmp_path,
 def test_bench_deviation_prints_layers_concentration_and_fidelity(folders, tmp_path, capsys):
     out = tmp_path / "d.json"
     assert main(["bench", "deviation", "--lengths", "100", "--samples", "1", "--variants", "multivalue", "--ratios",
-                 "0.5", "--chunk-tokens", "40", "--max-new-tokens", "3", "--json", str(out), *_args(folders, tmp_path / "s")]) == 0
+                 "0.5", "--chunk-tokens", "40", "--max-new-tokens", "3", "--modes", "prophetkv", "--json", str(out),
+                 *_args(folders, tmp_path / "s")]) == 0
     printed = capsys.readouterr().out
     assert "V later" in printed and "of the deviation" in printed and "oracle@0.5*" in printed
-    assert {p["other"] for p in json.loads(out.read_text())["versus"]} == {"deviation@0.5", "deviation-L1@0.5"}
+    assert re.search(r"prophetkv@0\.5 +\d+\.\d%", printed)  # the share of the deviation its rows hold
+    assert {p["other"] for p in json.loads(out.read_text())["versus"]} == {"deviation@0.5", "deviation-L1@0.5",
+                                                                         "prophetkv@0.5"}
+    assert main(["bench", "deviation", "--modes", "deviation", *_args(folders, tmp_path / "s")]) == 2
+    assert "bench deviation replays serving modes" in capsys.readouterr().err
 
 
 def test_bench_ttft_says_where_each_model_runs_and_when_the_aux_selects(folders, tmp_path, capsys):

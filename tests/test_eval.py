@@ -213,16 +213,27 @@ def test_reused_cache_deviates_only_after_the_first_chunk(eng):
 
 
 def test_deviation_bench_on_tiny_models(eng, tmp_path):
-    deviations, results = deviation.run(eng, [0.3], variants=["multivalue"], lengths=[150], samples=2, answer_tokens=4)
-    assert len(deviations) == 2 and {r.mode for r in results} == {"deviation", "deviation-L1", "oracle"}
+    deviations, results = deviation.run(eng, [0.3], variants=["multivalue"], lengths=[150], samples=2, answer_tokens=4,
+                                        modes=["prophetkv"])
+    assert len(deviations) == 2 and {r.mode for r in results} == {"deviation", "deviation-L1", "oracle", "prophetkv"}
     assert all(r.effective_fraction == pytest.approx(0.3, abs=0.02) for r in results)
     assert all(0.3 <= d.top_share[0.3] <= 1.0 for d in deviations)
+    # The deviation criterion's own rows hold the most deviation any 30% of rows can: top_share.
+    for d in deviations:
+        assert set(d.held) == {"deviation@0.3", "deviation-L1@0.3", "oracle@0.3*", "prophetkv@0.3"}
+        assert d.held["deviation@0.3"] == pytest.approx(d.top_share[0.3])
+        assert all(0.0 <= share <= d.top_share[0.3] + 1e-6 for share in d.held.values())
     assert "V later" in deviation.layer_table(deviations) and "hold" in deviation.concentration(deviations)
+    assert "prophetkv@0.3" in deviation.held_table(deviations)
     rows = fidelity.summarize(results)
     deviation.write_json(deviations, results, rows, tmp_path / "d.json")
     assert len(json.loads((tmp_path / "d.json").read_text())["deviation"]) == 2
     with pytest.raises(ValueError, match="strictly between 0 and 1"):
         deviation.run(eng, [1.0], variants=["multivalue"], lengths=[150], samples=1)
+    with pytest.raises(ValueError, match="strictly between 0 and 1"):
+        deviation.run(eng, ["auto"], variants=["multivalue"], lengths=[150], samples=1)
+    with pytest.raises(ValueError, match="plain caches"):
+        deviation.run(eng, [0.2], variants=["multivalue"], lengths=[150], samples=1, packets=True, modes=["cacheclip"])
 
 
 def test_top_rows_and_their_share():

@@ -166,10 +166,14 @@ def _bench_deviation(args) -> int:
     rows chosen by deviation against rows chosen by attention."""
     from ..eval import deviation, fidelity
 
+    modes = [m for m in dict.fromkeys(args.modes or []) if m not in ("full", "oracle")]  # oracle: always replayed
+    if unknown := [m for m in modes if m not in plan.modes()]:
+        raise ValueError(f"bench deviation replays serving modes {list(plan.modes())}; got {unknown!r}")
     engine = engine_from_args(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
     deviations, results = deviation.run(engine, args.ratios, variants=args.variants, lengths=args.lengths,
                                         samples=args.samples, seed=args.seed, answer_tokens=args.max_new_tokens,
-                                        budget=args.budget, progress=progress(args), packets=args.packets)
+                                        budget=args.budget, progress=progress(args), packets=args.packets,
+                                        modes=modes)
     if not deviations:
         raise ValueError("full attention answered none of the samples; nothing to compare")
     what = "the KV Packet cache from a full prefill of the wrapped sequence" if args.packets else \
@@ -177,6 +181,8 @@ def _bench_deviation(args) -> int:
     print(f"Relative deviation of {what}, |full - reused| / |full|, mean over rows:")
     print(deviation.layer_table(deviations))
     print(deviation.concentration(deviations))
+    print("\nShare of the deviation held by the rows each criterion picks:")
+    print(deviation.held_table(deviations))
     print("\nFidelity to full attention of the rows each criterion picks:")
     rows = fidelity.summarize(results)
     print(fidelity.table(rows))

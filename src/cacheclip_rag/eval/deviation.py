@@ -11,7 +11,11 @@ Then chunk rows are chosen three ways at each ratio and teacher-forced like `ben
 `deviation` (the rows whose K and V deviate most, averaged over all layers: what a deviation
 criterion could pick knowing every layer exactly), `deviation-L<c>` (K deviation at CacheBlend's
 check layer c alone: CacheBlend's own criterion, exact), and `oracle` (the primary's last-layer
-attention from the question). Analysis only: each needs a full prefill.
+attention from the question). Analysis only: each needs a full prefill. `modes` adds the rows a
+serving mode picks (`cacheclip`, `prophetkv`, ...), replayed the same way, and for every
+criterion the share of the deviation its rows hold: a criterion that repairs little deviation
+yet answers closer to full is choosing by something else than how stale a row is (ProphetKV's
+"crowding-out" reading of CacheBlend's criterion).
 
 With packets=True the reused cache is the request's KV Packet caches and the reference is a full
 prefill of the wrapped sequence (the packet modes' 100% oracle); the rows chosen are by
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,7 +36,7 @@ from ..engine import CacheClipEngine
 from ..fidelity import Reference, packet_reference, reference
 from ..recompute import AssembledCache, recompute_rows
 from .fidelity import FidelityResult, mode_rows, replay
-from .needle import suite
+from .needle import label, suite
 
 
 @dataclass
@@ -49,6 +53,8 @@ class DeviationResult:
     k_later: list[float]
     v_later: list[float]
     top_share: dict[float, float]
+    held: dict[str, float] = field(default_factory=dict)
+    """{label ("cacheclip@0.2"): share of all chunk rows' deviation held by that criterion's rows}"""
 
 
 def full_cache(engine: CacheClipEngine, ref: Reference) -> AssembledCache:
@@ -89,6 +95,11 @@ def top_share(scores: torch.Tensor, ratio: float) -> float:
     return float(torch.topk(scores, k).values.sum() / scores.sum().clamp(min=1e-12))
 
 
+def held_share(chunk_rows: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor) -> float:
+    """Share of the total of scores [C] (over chunk_rows [C], sorted) held by `rows` [S] (a subset)."""
+    return float(scores[torch.searchsorted(chunk_rows, rows)].sum() / scores.sum().clamp(min=1e-12))
+
+
 def run(
     engine: CacheClipEngine,
     ratios: list[float],
@@ -100,11 +111,15 @@ def run(
     budget: str = "keep",
     progress=None,
     packets: bool = False,
+    modes: list[str] = (),
 ) -> tuple[list[DeviationResult], list[FidelityResult]]:
     """Per sample: the deviation profile, and the fidelity of deviation- and attention-chosen rows
-    (packets: of the KV Packet caches; see the module docstring)."""
-    if not ratios or not all(0 < r < 1 for r in ratios):
+    (packets: of the KV Packet caches; see the module docstring); `modes`: serving modes whose
+    rows are replayed too (not with packets)."""
+    if not ratios or not all(isinstance(r, (int, float)) and 0 < r < 1 for r in ratios):
         raise ValueError(f"ratios must be fractions strictly between 0 and 1, got {ratios!r}")
+    if packets and modes:
+        raise ValueError(f"modes {list(modes)!r} are replayed on plain caches; drop them or packets=True")
     check = engine.config.baselines.cacheblend_check_layer
     deviations: list[DeviationResult] = []
     fidelity: list[FidelityResult] = []
@@ -130,11 +145,13 @@ def run(
                 "deviation": top_rows(chunk_rows, overall, ratio),
                 f"deviation-L{check}": top_rows(chunk_rows, k[check], ratio),
             }
-            selector = "packet+cacheclip" if packets else "oracle"
-            chosen[selector], _ = mode_rows(engine, sample.question, ids, ref, selector, ratio, sample_seed, budget)
+            for selector in ("packet+cacheclip",) if packets else ("oracle", *modes):
+                chosen[selector], _ = mode_rows(engine, sample.question, ids, ref, selector, ratio, sample_seed,
+                                                budget)
             if packets:
                 chosen = {f"packet-{m}" if m.startswith("deviation") else m: r for m, r in chosen.items()}
             for mode, rows in chosen.items():
+                deviations[-1].held[label(mode, ratio)] = held_share(chunk_rows, overall, rows)
                 fidelity.append(replay(engine, ref, rows, length, variant, sample_seed, mode, ratio))
     return deviations, fidelity
 
@@ -157,6 +174,17 @@ def concentration(results: list[DeviationResult]) -> str:
     return "\n".join(f"the {100 * r:g}% of chunk rows that deviate most hold "
                      f"{100 * statistics.mean(res.top_share[r] for res in results):.1f}% of the deviation "
                      f"(evenly spread: {100 * r:g}%)" for r in ratios)
+
+
+def held_table(results: list[DeviationResult]) -> str:
+    """One line per criterion: the share of the deviation its rows hold, mean over samples, beside
+    the share the same number of rows would hold with the deviation evenly spread."""
+    labels = sorted({k for r in results for k in r.held}, key=lambda k: (k.rsplit("@", 1)[-1], k))
+    lines = [f"{'rows':<24} {'deviation held':>14}"]
+    for key in labels:
+        shares = [r.held[key] for r in results if key in r.held]
+        lines.append(f"{key:<24} {100 * statistics.mean(shares):>13.1f}%")
+    return "\n".join(lines)
 
 
 def write_json(deviations: list[DeviationResult], fidelity: list[FidelityResult], rows: list[dict],
