@@ -92,13 +92,14 @@ def test_bench_fidelity_frontier_places_each_mode_at_its_ttft(folders, tmp_path,
     off each mode's curve at the budget (lower is better), the frontier and its plot."""
     out = tmp_path / "f.json"
     assert main(["bench", "fidelity", "--frontier", "--lengths", "100", "--samples", "1", "--variants", "multivalue",
-                 "--modes", "reuse", "cacheclip", "prophetkv", "--ratios", "0.3", "0.6", "--chunk-tokens", "40",
+                 "--modes", "reuse", "cacheclip", "prophetkv", "--ratios", "0.3", "0.6", "auto", "--chunk-tokens", "40",
                  "--max-new-tokens", "3", "--budget-ttft", "5", "--json", str(out), "--plot", str(tmp_path / "p.png"),
                  *_args(folders, tmp_path / "s")]) == 0
     printed = capsys.readouterr().out
     assert "TTFT/full" in printed and "KL(full||mode), interpolated" in printed and "Pareto frontier" in printed
     summary = json.loads(out.read_text())["summary"]
     assert all(r["ttft_vs_full"] > 0 for r in summary)
+    assert "cacheclip@auto" in {r["label"] for r in summary}  # a curve of its own beside the numeric ratios
     assert (tmp_path / "p-frontier-100.png").is_file()
     assert main(["bench", "ttft", "--frontier"]) == 2
     assert "--frontier applies to `bench niah` and `bench fidelity`" in capsys.readouterr().err

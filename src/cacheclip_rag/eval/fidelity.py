@@ -28,7 +28,7 @@ from ..engine import CacheClipEngine
 from .. import plan
 from ..fidelity import Reference, kl_positions, packet_reference, reference, top1_agreement
 from . import frontier
-from .needle import BENCH_MODES, JOINT_MODE, PAPER_MODE, by_variants, label, request_for, suite
+from .needle import BENCH_MODES, JOINT_MODE, PAPER_MODE, by_variants, label, ratio_order, request_for, suite
 from .stats import bootstrap_interval, mean_of_means
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,8 @@ def summarize(results: list[FidelityResult]) -> list[dict]:
     """One row per (length, mode, ratio): mean KL over variants with its 95% interval, agreement,
     exact share, effective fraction."""
     rows = []
-    for key in sorted({(r.length, r.mode, r.ratio) for r in results}):
+    keys = {(r.length, r.mode, r.ratio) for r in results}
+    for key in sorted(keys, key=lambda k: (k[0], k[1], ratio_order(k[2]))):  # "auto" after the numbers
         sel = [r for r in results if (r.length, r.mode, r.ratio) == key]
         by_variant = by_variants(sel, "kl")
         rows.append(dict(length=key[0], mode=key[1], ratio=key[2], samples=len(sel),
