@@ -281,3 +281,12 @@ def test_needle_bench_reports_overlap_with_the_oracle(eng):
     assert by_mode["oracle"].oracle_overlap == 1.0
     assert 0.0 <= by_mode["cacheclip"].oracle_overlap <= 1.0
     assert math.isnan(by_mode["full"].oracle_overlap)  # no oracle run at full's ratio
+
+
+def test_bench_cacheclip_variants_set_their_request_options():
+    from cacheclip_rag.eval.needle import request_for
+
+    assert request_for("cacheclip-joint", "keep") == dict(mode="cacheclip", budget="keep", aux_context="joint")
+    assert request_for("cacheclip-chunk", "keep") == dict(mode="cacheclip", budget="keep", aux_context="chunk")
+    assert request_for("cacheclip-paper", "keep") == dict(mode="cacheclip", budget="paper", score_layers=(-1,))
+    assert request_for("prophetkv", "keep") == dict(mode="prophetkv", budget="keep")

@@ -295,7 +295,7 @@ def add_commands(sub) -> None:
                         "concurrent users against a running server (--url), bounded in time and requests")
     p.add_argument("--lengths", type=int, nargs="+", default=[2048], help="context lengths in primary tokens")
     p.add_argument("--modes", nargs="+", default=None, help=f"modes to compare (from {list(plan.modes())}, and cacheclip-paper: last aux layer, paper rule; cacheclip-joint: "
-                   "the aux query reads all chunks at once); "
+                   "the aux query reads all chunks at once; cacheclip-chunk: it reads each chunk alone); "
                    "full is always run")
     p.add_argument("--ratios", type=ratio_arg, nargs="+", default=None,
                    help="recompute ratios for ratio modes (auto: the selector decides per request; cacheclip); "

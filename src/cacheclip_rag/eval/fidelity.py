@@ -28,7 +28,7 @@ from ..engine import CacheClipEngine
 from .. import plan
 from ..fidelity import Reference, kl_positions, packet_reference, reference, top1_agreement
 from . import frontier
-from .needle import BENCH_MODES, JOINT_MODE, PAPER_MODE, by_variants, label, ratio_order, request_for, suite
+from .needle import BENCH_MODES, by_variants, label, ratio_order, request_for, suite
 from .stats import bootstrap_interval, mean_of_means
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 def row_modes() -> tuple[str, ...]:
     """The modes whose plan is a set of rows a replay can recompute (`Selector.row_set`; `full` is
     the reference itself), and the bench's CacheClip variants."""
-    return (*(m for m in plan.modes() if plan.get(m).row_set and m != "full"), PAPER_MODE, JOINT_MODE)
+    return (*(m for m in plan.modes() if plan.get(m).row_set and m != "full"), *BENCH_MODES)
 
 
 @dataclass

@@ -31,15 +31,18 @@ then grouping, whatever fraction remains), beside `cacheclip` with the engine's 
 JOINT_MODE = "cacheclip-joint"
 """Bench-only mode name: `cacheclip` with the aux query reading every chunk at once
 (`aux_context="joint"`), beside `cacheclip` as the engine config has it."""
-BENCH_MODES = (PAPER_MODE, JOINT_MODE)
+CHUNK_MODE = "cacheclip-chunk"
+"""Bench-only mode name: `cacheclip` with the aux query reading each chunk alone
+(`aux_context="chunk"`), beside a profile that scores jointly (the shipped 4K one)."""
+BENCH_MODES = (PAPER_MODE, JOINT_MODE, CHUNK_MODE)
 
 
 def request_for(mode: str, budget: str) -> dict:
     """The engine options of a mode name (a registered mode or one of `BENCH_MODES`)."""
     if mode == PAPER_MODE:
         return dict(mode="cacheclip", budget="paper", score_layers=(-1,))
-    if mode == JOINT_MODE:
-        return dict(mode="cacheclip", budget=budget, aux_context="joint")
+    if mode in (JOINT_MODE, CHUNK_MODE):
+        return dict(mode="cacheclip", budget=budget, aux_context=mode.removeprefix("cacheclip-"))
     return dict(mode=mode, budget=budget)
 
 
