@@ -177,8 +177,8 @@ def concentration(results: list[DeviationResult]) -> str:
 
 
 def held_table(results: list[DeviationResult]) -> str:
-    """One line per criterion: the share of the deviation its rows hold, mean over samples, beside
-    the share the same number of rows would hold with the deviation evenly spread."""
+    """One line per criterion: the share of the deviation its rows hold, mean over samples (with
+    the deviation evenly spread, a criterion's share would be its ratio)."""
     labels = sorted({k for r in results for k in r.held}, key=lambda k: (k.rsplit("@", 1)[-1], k))
     lines = [f"{'rows':<24} {'deviation held':>14}"]
     for key in labels:
