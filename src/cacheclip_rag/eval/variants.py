@@ -1,14 +1,30 @@
 """Analysis variants of product selectors, registered for benches so that a choice a method's
-paper leaves open can be compared with the default on the same samples.
+paper leaves open, or a combination of methods, can be compared with the defaults on the same
+samples. Registered when `cacheclip_rag.eval` is imported; not serving modes.
 
 `prophetkv-max`: ProphetKV with its per-layer query attention fused by max over layers instead
-of the mean (`selectors/prophetkv.py`). Registered when `cacheclip_rag.eval` is imported.
+of the mean (`selectors/prophetkv.py`).
+
+`cacheclip+prophetkv`: one budget split between the two query-driven selections. On the needle
+suite they fail on different questions (CacheClip on multi-value needles, ProphetKV on multi-key
+ones), so this spends `share` of the budget on CacheClip's selection (aux model, calibrated
+profile, grouping) and fills the rest with ProphetKV's top-scored chunk rows (Wang et al.,
+"ProphetKV: User-Query-Driven Selective Recomputation for Efficient KV Cache Reuse in
+Retrieval-Augmented Generation", arXiv:2602.02579) among those CacheClip left. Both selections
+are on the critical path on one CPU and count in `timings["selection"]`. Measured at 4K it
+scores below both (`docs/benchmarks.md`): ProphetKV's rows bring its multi-key misses along.
 """
 
 from __future__ import annotations
 
-from ..plan import register
-from ..selectors.prophetkv import ProphetKV
+import dataclasses
+import time
+
+import torch
+
+from ..plan import Plan, Selector, register
+from ..selectors.cacheclip import CacheClip
+from ..selectors.prophetkv import ProphetKV, query_attention
 
 
 class ProphetKVMax(ProphetKV):
@@ -16,4 +32,26 @@ class ProphetKVMax(ProphetKV):
     fuse = "max"
 
 
+class CacheClipProphetKV(Selector):
+    """share: the fraction of the ratio's rows CacheClip's selection takes (ProphetKV the rest)."""
+
+    name = "cacheclip+prophetkv"
+    uses_aux = True
+    share: float = 0.5
+
+    def plan(self, prepared) -> Plan:
+        start = time.perf_counter()
+        chunk_rows = prepared.layout.chunk_rows()
+        budget = round(prepared.request.ratio * chunk_rows.numel())
+        aux_request = dataclasses.replace(prepared.request, ratio=prepared.request.ratio * self.share)
+        aux_plan = CacheClip().plan(dataclasses.replace(prepared, request=aux_request))
+        taken = torch.isin(chunk_rows, aux_plan.rows)  # [C]
+        scores = query_attention(prepared).masked_fill(taken, float("-inf"))
+        fill = max(0, min(budget - int(taken.sum()), int((~taken).sum())))
+        extra = chunk_rows[torch.topk(scores, fill).indices] if fill else chunk_rows[:0]
+        return Plan(rows=torch.sort(torch.cat([aux_plan.rows, extra])).values, score_layers=aux_plan.score_layers,
+                    trace=aux_plan.trace, seconds=time.perf_counter() - start)
+
+
 register(ProphetKVMax())
+register(CacheClipProphetKV())
