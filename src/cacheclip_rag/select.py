@@ -387,11 +387,15 @@ def rows_attention(lm: LoadedModel, layer: int, q: torch.Tensor, keys: torch.Ten
     """The attention of query rows over the first n_keys keys of one layer, as the layer attends
     (causal by sequence index, within its sliding window, its scaling), averaged over heads and
     rows: [n_keys] fp32. q: [1, Hq, R, D] rotated; keys: [1, Hkv, >= n_keys, D]; rows: [R]."""
-    keys = keys[:, :, :n_keys]
-    keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
-    logits = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * lm.family.scaling(layer)
-    visible = causal_position_mask(rows[None], n_keys, lm.family.window(layer)).to(logits.device)  # [1, 1, R, N]
-    return logits.masked_fill(~visible, float("-inf")).softmax(dim=-1)[0].mean(dim=(0, 1))
+    h, h_kv, r, d = q.shape[1], keys.shape[1], q.shape[2], q.shape[3]
+    group = h // h_kv  # query head i reads key head i // group (transformers' repeat_kv), so the
+    # query heads sharing a key head are consecutive: one batched matmul per key head, no copy of
+    # the keys per query head (7x fewer keys converted to fp32 for the default primary)
+    k = keys[0, :, :n_keys].float()  # [Hkv, N, D]
+    logits = torch.bmm(q[0].float().reshape(h_kv, group * r, d), k.transpose(1, 2)) * lm.family.scaling(layer)
+    visible = causal_position_mask(rows[None], n_keys, lm.family.window(layer)).to(logits.device)[0]  # [1, R, N]
+    logits = logits.view(h_kv, group, r, n_keys).masked_fill(~visible, float("-inf"))
+    return logits.softmax(dim=-1).mean(dim=(0, 1, 2))
 
 
 # ----- character space (token weights of two tokenizers compared on one text) ----------------
