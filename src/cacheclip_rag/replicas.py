@@ -310,12 +310,26 @@ def build(spec: ReplicaSpec, replicas: int, *, router: str = "chunk-affinity", k
     return ingress.bind(engines.bind(spec), spec, keys or Keys(), limits)
 
 
+QUIET = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1.0", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+         "RAY_enable_metrics_collection": "0"}
+"""Ray and Ray Serve background loops slowed for a local instance, unless the environment sets
+them: the Serve controller reconciles every 1 s (not 0.1 s), cached Serve metrics export every
+1 s, and Ray's metrics collection is off (this service reads its own counters, `/v1/stats`).
+Idle, a 1-replica service then took 7.7% of one core instead of 13% (2-core AVX512 host,
+`docs/scale-out.md`); on few cores that is taken from the replicas. Read when Ray's processes
+start, so on a cluster joined with `--ray-address` they are the cluster's own settings."""
+
+
 def start(address: str | None, host: str, port: int, cpus: int | None = None) -> int:
-    """Join the Ray cluster at `address`, or start a local one on 127.0.0.1; start Serve's HTTP
-    proxy on host:port. Returns the number of nodes."""
+    """Join the Ray cluster at `address`, or start a local one on 127.0.0.1 (with `QUIET`'s
+    settings where the environment leaves them unset); start Serve's HTTP proxy on host:port.
+    Returns the number of nodes."""
     import ray
     from ray import serve
 
+    if not address:
+        for name, value in QUIET.items():
+            os.environ.setdefault(name, value)
     if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     else:
