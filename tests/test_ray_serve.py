@@ -176,6 +176,12 @@ def test_a_folder_store_is_refused_across_nodes():
         replicas.build(replicas.ReplicaSpec("a", "b", "s"), 0)
 
 
+def test_a_local_instance_is_quiet_unless_the_environment_says_otherwise():
+    env = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"}
+    replicas.quiet(env)
+    assert env == {**replicas.QUIET, "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"}
+
+
 def test_the_affinity_policy_waits_for_the_holder_unless_queues_are_imbalanced():
     from cacheclip_rag.routing import home, rank
 

@@ -320,6 +320,12 @@ Idle, a 1-replica service then took 7.7% of one core instead of 13% (2-core AVX5
 start, so on a cluster joined with `--ray-address` they are the cluster's own settings."""
 
 
+def quiet(environ) -> None:
+    """`QUIET`'s settings into environ (a mapping such as os.environ) where it has none of its own."""
+    for name, value in QUIET.items():
+        environ.setdefault(name, value)
+
+
 def start(address: str | None, host: str, port: int, cpus: int | None = None) -> int:
     """Join the Ray cluster at `address`, or start a local one on 127.0.0.1 (with `QUIET`'s
     settings where the environment leaves them unset); start Serve's HTTP proxy on host:port.
@@ -328,8 +334,7 @@ def start(address: str | None, host: str, port: int, cpus: int | None = None) ->
     from ray import serve
 
     if not address:
-        for name, value in QUIET.items():
-            os.environ.setdefault(name, value)
+        quiet(os.environ)
     if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     else:
