@@ -1,15 +1,19 @@
 """ProphetKV (arXiv:2602.02579): its edges are the oracles (ratio 1 == full prefill, 0 == direct
 reuse) on every family, and its first stage reads the attention a full prefill would have where
-the reused caches already hold the cross-chunk context."""
+the reused caches already hold the cross-chunk context. The bench variant `cacheclip+prophetkv`
+(`eval/variants.py`) has the same edges, and between them is CacheClip's selection at its share
+of the budget, filled by ProphetKV's top rows among the rest."""
 
 import dataclasses
 
 import pytest
 import torch
 
+import cacheclip_rag.eval  # noqa: F401  (registers the bench variants)
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
 from cacheclip_rag.assemble import rerotate
 from cacheclip_rag.config import BaselineConfig
+from cacheclip_rag.plan import get
 from cacheclip_rag.record import ChunkKV
 from cacheclip_rag.select import attention_from_rows
 from cacheclip_rag.selectors.prophetkv import query_attention
@@ -27,11 +31,12 @@ def eng(tiny_lm, tmp_path):
     engine.close()
 
 
-def test_prophetkv_at_ratio_one_is_full_prefill_and_at_zero_direct_reuse(eng):
+@pytest.mark.parametrize("mode", ["prophetkv", "cacheclip+prophetkv"])
+def test_at_ratio_one_is_full_prefill_and_at_zero_direct_reuse(eng, mode):
     full = eng.answer(Q, chunk_ids=eng.ids, mode="full", max_new_tokens=5)
     reuse = eng.answer(Q, chunk_ids=eng.ids, mode="reuse", max_new_tokens=5)
-    all_rows = eng.answer(Q, chunk_ids=eng.ids, mode="prophetkv", recompute_ratio=1.0, max_new_tokens=5)
-    none = eng.answer(Q, chunk_ids=eng.ids, mode="prophetkv", recompute_ratio=0.0, max_new_tokens=5)
+    all_rows = eng.answer(Q, chunk_ids=eng.ids, mode=mode, recompute_ratio=1.0, max_new_tokens=5)
+    none = eng.answer(Q, chunk_ids=eng.ids, mode=mode, recompute_ratio=0.0, max_new_tokens=5)
     assert all_rows.text == full.text and all_rows.effective_fraction == 1.0
     assert none.text == reuse.text and none.recomputed == reuse.recomputed
 
@@ -88,3 +93,30 @@ def test_the_fusion_rule_is_a_validated_setting(eng):
     with CacheClipEngine(eng.primary.lm, eng.aux.lm, eng.store.backend.root, cfg) as other:
         ans = other.answer(Q, chunk_ids=eng.ids, mode="prophetkv", recompute_ratio=0.3, max_new_tokens=1)
     assert ans.mode == "prophetkv"
+
+
+def test_the_split_is_cacheclip_at_its_share_filled_by_prophetkv(eng):
+    ratio = 0.4
+    ans = eng.answer(Q, chunk_ids=eng.ids, mode="cacheclip+prophetkv", recompute_ratio=ratio, max_new_tokens=1)
+    assert ans.timings["selection"] > 0  # both selections are on the critical path
+    prepared = eng.prepare(Q, eng.ids, mode="cacheclip+prophetkv", recompute_ratio=ratio)
+    chunk_rows = prepared.layout.chunk_rows()
+    share = get("cacheclip+prophetkv").share
+    half = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, ratio=ratio * share))
+    aux_rows = set(get("cacheclip").plan(half).rows.tolist())
+    scores = query_attention(prepared)
+    budget = round(ratio * chunk_rows.numel())
+    assert 0 < len(aux_rows) < budget
+    got = set(ans.recomputed) & set(chunk_rows.tolist())
+    assert aux_rows <= got and len(got) == budget
+    # The rest is a top-k of ProphetKV's scores among the rows CacheClip left (ties in any order).
+    score = {int(r): float(s) for r, s in zip(chunk_rows, scores)}
+    filled = got - aux_rows
+    left = set(chunk_rows.tolist()) - got
+    assert min(score[r] for r in filled) >= max(score[r] for r in left)
+    assert ans.effective_fraction == pytest.approx(budget / chunk_rows.numel())
+
+
+def test_the_split_refuses_auto(eng):
+    with pytest.raises(ValueError, match="recompute_ratio"):
+        eng.answer(Q, chunk_ids=eng.ids, mode="cacheclip+prophetkv", recompute_ratio="auto", max_new_tokens=1)
