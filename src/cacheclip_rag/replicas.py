@@ -333,11 +333,10 @@ def start(address: str | None, host: str, port: int, cpus: int | None = None) ->
     import ray
     from ray import serve
 
-    if not address:
-        quiet(os.environ)
     if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     else:
+        quiet(os.environ)
         ray.init(num_cpus=cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
                  _node_ip_address="127.0.0.1")
     serve.start(http_options={"host": host, "port": port})
