@@ -152,6 +152,9 @@ class BaselineConfig:
     prophetkv_fuse: str = "mean"
     """How ProphetKV fuses its per-layer query attention (each normalised over the chunk tokens):
     "mean" or "max" over layers (the paper's abstract leaves it open; `selectors/prophetkv.py`)."""
+    prophetkv_heads: str = "mean"
+    """How ProphetKV reduces each layer's attention over query heads (each head's averaged over
+    the query rows first): "mean" or "max" (the abstract leaves it open)."""
 
     def __post_init__(self) -> None:
         for name in ("ape_temperature", "ape_scale"):
@@ -162,8 +165,9 @@ class BaselineConfig:
             raise ValueError(f"cacheblend_check_layer must be an integer >= 1, got {self.cacheblend_check_layer!r}")
         if self.cacheblend_on not in ("k", "v"):
             raise ValueError(f"cacheblend_on must be 'k' or 'v', got {self.cacheblend_on!r}")
-        if self.prophetkv_fuse not in ("mean", "max"):
-            raise ValueError(f"prophetkv_fuse must be 'mean' or 'max', got {self.prophetkv_fuse!r}")
+        for name in ("prophetkv_fuse", "prophetkv_heads"):
+            if getattr(self, name) not in ("mean", "max"):
+                raise ValueError(f"{name} must be 'mean' or 'max', got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,26 @@ class ProphetKVMax(ProphetKV):
     fuse = "max"
 
 
+class ProphetKVHeadMax(ProphetKV):
+    name = "prophetkv-hmax"
+    heads = "max"
+
+
+class ProphetKVPool3(ProphetKV):
+    name = "prophetkv-pool3"
+    pool = 3
+
+
+class ProphetKVPool7(ProphetKV):
+    name = "prophetkv-pool7"
+    pool = 7
+
+
+class ProphetKVLast(ProphetKV):
+    name = "prophetkv-last"
+    query = "last"
+
+
 class CacheClipProphetKV(Selector):
     """share: the fraction of the ratio's rows CacheClip's selection takes (ProphetKV the rest)."""
 
@@ -54,4 +74,6 @@ class CacheClipProphetKV(Selector):
 
 
 register(ProphetKVMax())
+for variant in (ProphetKVHeadMax, ProphetKVPool3, ProphetKVPool7, ProphetKVLast):
+    register(variant())
 register(CacheClipProphetKV())

@@ -9,7 +9,8 @@ named (a `BaselineConfig` field where it is a setting):
    as every mode does) and only the plain-text rows (separators, the question, the template
    suffix) are recomputed through every layer. At each layer the attention of the query rows
    (every row after the last chunk) over the chunk tokens is read: softmax over all keys a row
-   sees, causal and within the layer's sliding window, averaged over heads and query rows.
+   sees, causal and within the layer's sliding window, averaged over the query rows, then
+   reduced over query heads (`BaselineConfig.prophetkv_heads`, the mean by default).
 2. Fusion. Each layer's scores are normalised to sum 1 over the chunk tokens (so no layer
    dominates by the share of attention it gives the prefix or the question itself), then fused
    over layers: "mean" (default) or "max" (`BaselineConfig.prophetkv_fuse`). The top
@@ -34,15 +35,20 @@ from ..select import rows_attention
 
 
 class ProphetKV(Selector):
-    """fuse: the fusion over layers, or None for the engine config's (`BaselineConfig.prophetkv_fuse`);
-    a subclass fixing it is how a bench compares the two on the same samples."""
+    """fuse, heads: the fusion over layers and the reduction over heads, or None for the engine
+    config's (`BaselineConfig.prophetkv_fuse`, `prophetkv_heads`); pool, query: the other open
+    choices (`query_attention`). A subclass fixing one is how a bench compares it with the
+    default on the same samples (`eval/variants.py`)."""
 
     name = "prophetkv"
     fuse: str | None = None
+    heads: str | None = None
+    pool: int = 1
+    query: str = "all"
 
     def plan(self, prepared) -> Plan:
         start = time.perf_counter()
-        scores = query_attention(prepared, fuse=self.fuse)
+        scores = query_attention(prepared, fuse=self.fuse, heads=self.heads, pool=self.pool, query=self.query)
         chunk_rows = prepared.layout.chunk_rows()
         k = round(prepared.request.ratio * chunk_rows.numel())
         top = torch.topk(scores, k).indices if k > 0 else torch.empty(0, dtype=torch.long)
@@ -50,27 +56,45 @@ class ProphetKV(Selector):
 
 
 @torch.inference_mode()
-def query_attention(prepared, chunk_kvs: dict | None = None, fuse: str | None = None) -> torch.Tensor:
+def query_attention(prepared, chunk_kvs: dict | None = None, fuse: str | None = None, heads: str | None = None,
+                    pool: int = 1, query: str = "all") -> torch.Tensor:
     """Stage one and the fusion: one score per chunk row, [C] in `layout.chunk_rows()` order.
     chunk_kvs: chunk id -> cache to assemble from instead of the stored ones (for the oracle test).
-    fuse: "mean" or "max" over layers; None: the engine config's."""
+    fuse: "mean" or "max" over layers; None: the engine config's.
+    heads: "mean" or "max" over query heads (of each head's attention averaged over query rows);
+    None: the engine config's.
+    pool: odd width of a max-pool over neighbouring rows within each chunk after the fusion, so a
+    peak's neighbours score as the peak (SnapKV's clustering; 1: none).
+    query: "all" rows after the last chunk (question and template suffix), or only the "last"."""
     lm, layout = prepared.primary.lm, prepared.layout
     fuse = fuse or prepared.config.baselines.prophetkv_fuse
+    heads = heads or prepared.config.baselines.prophetkv_heads
     cache = assemble(lm, layout, prepared.prefix_kv(), chunk_kvs or prepared.chunk_kvs())
     chunk_rows = layout.chunk_rows()
-    query_start = layout.chunk_segments()[-1].end
+    query_start = layout.chunk_segments()[-1].end if query == "all" else layout.num_tokens - 1
     per_layer: list[torch.Tensor] = []
 
     def observe(layer: int, q: torch.Tensor, rows: torch.Tensor) -> None:
         wanted = rows >= query_start
-        attention = rows_attention(lm, layer, q[:, :, wanted], cache.keys[layer], rows[wanted], layout.num_tokens)
+        attention = rows_attention(lm, layer, q[:, :, wanted], cache.keys[layer], rows[wanted], layout.num_tokens,
+                                   heads=heads)
         on_chunks = attention[chunk_rows.to(attention.device)].cpu()
         per_layer.append(on_chunks / on_chunks.sum().clamp_min(1e-12))
 
     recompute_rows(lm, cache, layout.input_ids, layout.uncached_rows(), backend=prepared.config.attention_backend,
                    embed=prepared.embed(), observe=observe)
     stacked = torch.stack(per_layer)  # [layers, C]
-    return stacked.mean(dim=0) if fuse == "mean" else stacked.max(dim=0).values
+    scores = stacked.mean(dim=0) if fuse == "mean" else stacked.max(dim=0).values
+    return _pool_within_chunks(scores, [s.end - s.start for s in layout.chunk_segments()], pool)
+
+
+def _pool_within_chunks(scores: torch.Tensor, lengths: list[int], width: int) -> torch.Tensor:
+    """Max over each row's `width` neighbours (centred), never across a chunk boundary: [C] -> [C]."""
+    if width <= 1:
+        return scores
+    pooled = [torch.nn.functional.max_pool1d(part[None], width, stride=1, padding=width // 2)[0]
+              for part in scores.split(lengths)]
+    return torch.cat(pooled)
 
 
 register(ProphetKV())
