@@ -16,7 +16,7 @@ from cacheclip_rag.config import BaselineConfig
 from cacheclip_rag.plan import get
 from cacheclip_rag.record import ChunkKV
 from cacheclip_rag.select import attention_from_rows
-from cacheclip_rag.selectors.prophetkv import _pool_within_chunks, query_attention
+from cacheclip_rag.selectors.prophetkv import query_attention
 
 from conftest import CORPUS
 
@@ -80,13 +80,21 @@ def test_stage_one_reads_a_full_prefills_query_attention(eng, heads):
 
 
 def test_max_fusion_is_a_bench_variant_on_the_same_samples(eng):
-    import cacheclip_rag.eval  # noqa: F401  (registers prophetkv-max)
-
     prepared = eng.prepare(Q, eng.ids, mode="prophetkv", recompute_ratio=0.3)
     mean, top = query_attention(prepared, fuse="mean"), query_attention(prepared, fuse="max")
     assert mean.shape == top.shape and bool((top >= mean - 1e-6).all())  # max over layers >= their mean
     ans = eng.answer(Q, chunk_ids=eng.ids, mode="prophetkv-max", recompute_ratio=0.3, max_new_tokens=1)
     expected = prepared.layout.chunk_rows()[torch.topk(top, round(0.3 * top.numel())).indices]
+    assert set(ans.recomputed) & set(prepared.layout.chunk_rows().tolist()) == set(expected.tolist())
+
+
+def test_the_mean_over_heads_is_a_bench_variant_and_differs_from_the_default(eng):
+    prepared = eng.prepare(Q, eng.ids, mode="prophetkv", recompute_ratio=0.3)
+    default, mean = query_attention(prepared), query_attention(prepared, heads="mean")
+    torch.testing.assert_close(default, query_attention(prepared, heads="max"))
+    assert not torch.allclose(default, mean)
+    ans = eng.answer(Q, chunk_ids=eng.ids, mode="prophetkv-hmean", recompute_ratio=0.3, max_new_tokens=1)
+    expected = prepared.layout.chunk_rows()[torch.topk(mean, round(0.3 * mean.numel())).indices]
     assert set(ans.recomputed) & set(prepared.layout.chunk_rows().tolist()) == set(expected.tolist())
 
 
@@ -127,9 +135,3 @@ def test_the_split_refuses_auto(eng):
     with pytest.raises(ValueError, match="recompute_ratio"):
         eng.answer(Q, chunk_ids=eng.ids, mode="cacheclip+prophetkv", recompute_ratio="auto", max_new_tokens=1)
 
-
-def test_pooling_takes_each_rows_neighbours_within_its_chunk_only():
-    scores = torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 2.0])
-    pooled = _pool_within_chunks(scores, [4, 3], 3)
-    assert pooled.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 2.0, 2.0]
-    assert _pool_within_chunks(scores, [4, 3], 1) is scores

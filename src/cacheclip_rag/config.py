@@ -152,9 +152,10 @@ class BaselineConfig:
     prophetkv_fuse: str = "mean"
     """How ProphetKV fuses its per-layer query attention (each normalised over the chunk tokens):
     "mean" or "max" over layers (the paper's abstract leaves it open; `selectors/prophetkv.py`)."""
-    prophetkv_heads: str = "mean"
+    prophetkv_heads: str = "max"
     """How ProphetKV reduces each layer's attention over query heads (each head's averaged over
-    the query rows first): "mean" or "max" (the abstract leaves it open)."""
+    the query rows first): "max" keeps a token that any one head reads strongly, "mean" dilutes
+    it by the heads that do not (measured in `docs/benchmarks.md`)."""
 
     def __post_init__(self) -> None:
         for name in ("ape_temperature", "ape_scale"):

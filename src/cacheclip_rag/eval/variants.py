@@ -3,7 +3,8 @@ paper leaves open, or a combination of methods, can be compared with the default
 samples. Registered when `cacheclip_rag.eval` is imported; not serving modes.
 
 `prophetkv-max`: ProphetKV with its per-layer query attention fused by max over layers instead
-of the mean (`selectors/prophetkv.py`).
+of the mean; `prophetkv-hmean`: with each layer's attention averaged over query heads instead of
+their max (the first default; `selectors/prophetkv.py`).
 
 `cacheclip+prophetkv`: one budget split between the two query-driven selections. On the needle
 suite they fail on different questions (CacheClip on multi-value needles, ProphetKV on multi-key
@@ -32,24 +33,9 @@ class ProphetKVMax(ProphetKV):
     fuse = "max"
 
 
-class ProphetKVHeadMax(ProphetKV):
-    name = "prophetkv-hmax"
-    heads = "max"
-
-
-class ProphetKVPool3(ProphetKV):
-    name = "prophetkv-pool3"
-    pool = 3
-
-
-class ProphetKVPool7(ProphetKV):
-    name = "prophetkv-pool7"
-    pool = 7
-
-
-class ProphetKVLast(ProphetKV):
-    name = "prophetkv-last"
-    query = "last"
+class ProphetKVHeadMean(ProphetKV):
+    name = "prophetkv-hmean"
+    heads = "mean"
 
 
 class CacheClipProphetKV(Selector):
@@ -74,6 +60,5 @@ class CacheClipProphetKV(Selector):
 
 
 register(ProphetKVMax())
-for variant in (ProphetKVHeadMax, ProphetKVPool3, ProphetKVPool7, ProphetKVLast):
-    register(variant())
+register(ProphetKVHeadMean())
 register(CacheClipProphetKV())
