@@ -134,4 +134,3 @@ def test_the_split_is_cacheclip_at_its_share_filled_by_prophetkv(eng):
 def test_the_split_refuses_auto(eng):
     with pytest.raises(ValueError, match="recompute_ratio"):
         eng.answer(Q, chunk_ids=eng.ids, mode="cacheclip+prophetkv", recompute_ratio="auto", max_new_tokens=1)
-

@@ -12,7 +12,8 @@ named (a `BaselineConfig` field where it is a setting):
    sees, causal and within the layer's sliding window, averaged over the query rows, then the
    max over query heads (`BaselineConfig.prophetkv_heads`). The mean over heads, tried first,
    dilutes the few heads that retrieve: on the same 18 samples at 2K and 20%, it keeps 82.8% of
-   full attention's needle score against the max's 92.2% (`docs/benchmarks.md`).
+   full attention's needle score against the max's 92.2%, and leaves more KL from full
+   attention; at 4K and 20% the two are level (`docs/benchmarks.md`).
 2. Fusion. Each layer's scores are normalised to sum 1 over the chunk tokens (so no layer
    dominates by the share of attention it gives the prefix or the question itself), then fused
    over layers: "mean" (default) or "max" (`BaselineConfig.prophetkv_fuse`). The top
