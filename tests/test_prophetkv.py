@@ -16,7 +16,8 @@ from cacheclip_rag.config import BaselineConfig
 from cacheclip_rag.plan import get
 from cacheclip_rag.record import ChunkKV
 from cacheclip_rag.select import attention_from_rows
-from cacheclip_rag.selectors.prophetkv import query_attention
+from cacheclip_rag.assemble import Layout, Segment
+from cacheclip_rag.selectors.prophetkv import query_attention, top_words, word_ids
 
 from conftest import CORPUS
 
@@ -31,7 +32,7 @@ def eng(tiny_lm, tmp_path):
     engine.close()
 
 
-@pytest.mark.parametrize("mode", ["prophetkv", "cacheclip+prophetkv"])
+@pytest.mark.parametrize("mode", ["prophetkv", "prophetkv-word", "cacheclip+prophetkv"])
 def test_at_ratio_one_is_full_prefill_and_at_zero_direct_reuse(eng, mode):
     full = eng.answer(Q, chunk_ids=eng.ids, mode="full", max_new_tokens=5)
     reuse = eng.answer(Q, chunk_ids=eng.ids, mode="reuse", max_new_tokens=5)
@@ -134,3 +135,46 @@ def test_the_split_is_cacheclip_at_its_share_filled_by_prophetkv(eng):
 def test_the_split_refuses_auto(eng):
     with pytest.raises(ValueError, match="recompute_ratio"):
         eng.answer(Q, chunk_ids=eng.ids, mode="cacheclip+prophetkv", recompute_ratio="auto", max_new_tokens=1)
+
+
+def _segment(text: str, cuts: list[tuple[int, int]], start: int, chunk_id: str | None = "c", ids=None) -> Segment:
+    ids = torch.tensor(ids if ids is not None else [1] * len(cuts))
+    return Segment(text, chunk_id, start, ids, torch.tensor(cuts))
+
+
+def test_words_join_digit_and_word_pieces_and_never_cross_a_space_or_a_chunk():
+    # "is: 5078743 dusty-jacket." cut as a byte-level tokenizer cuts it: digits one by one
+    text = "is: 5078743 dusty-jacket."
+    cuts = [(0, 2), (2, 3), (3, 5), *[(i, i + 1) for i in range(5, 11)], (11, 17), (17, 19), (19, 24), (24, 25)]
+    plain = _segment("Q?", [(0, 2)], start=13, chunk_id=None)  # not a chunk: not numbered
+    second = _segment("7 7", [(0, 1), (1, 3)], start=14)
+    layout = Layout(torch.zeros(16, dtype=torch.long), 0, (_segment(text, cuts, start=0), plain, second))
+    words = word_ids(layout).tolist()
+    assert words == [0, 1, 2, 2, 2, 2, 2, 2, 2, 3, 4, 4, 5, 6, 7]
+    #                is  :  " 5" 0  7  8  7  4  3 " dusty" "-j" "acket" . | next chunk: 7, " 7"
+    soft = _segment("ab", [(0, 1), (1, 2)], start=0, ids=[-1, 5])  # a packet's soft row stands alone
+    assert word_ids(Layout(torch.zeros(2, dtype=torch.long), 0, (soft,))).tolist() == [0, 1]
+
+
+def test_whole_words_are_taken_by_their_best_token_until_the_budget_is_held():
+    scores = torch.tensor([0.1, 0.9, 0.2, 0.2, 0.5, 0.05, 0.3])
+    words = torch.tensor([0, 1, 1, 1, 2, 3, 4])
+    assert top_words(scores, words, 0).tolist() == []
+    assert top_words(scores, words, 1).tolist() == [1, 2, 3]  # the number's best digit brings all its digits
+    assert top_words(scores, words, 4).tolist() == [1, 2, 3, 4]
+    assert top_words(scores, words, 5).tolist() == [1, 2, 3, 4, 6]
+    assert top_words(scores, words, 7).tolist() == list(range(7))
+
+
+def test_prophetkv_by_words_recomputes_whole_words(eng):
+    prepared = eng.prepare(Q, eng.ids, mode="prophetkv-word", recompute_ratio=0.3)
+    words, chunk_rows = word_ids(prepared.layout), prepared.layout.chunk_rows()
+    assert words.numel() == chunk_rows.numel()
+    rows = set(get("prophetkv-word").plan(prepared).rows.tolist())
+    taken = torch.tensor([int(r) in rows for r in chunk_rows])
+    for w in words.unique():
+        assert taken[words == w].all() or not taken[words == w].any()
+    k = round(0.3 * chunk_rows.numel())
+    assert k <= int(taken.sum()) < k + int(torch.bincount(words).max())
+    with pytest.raises(ValueError, match="prophetkv_unit must be 'token' or 'word', got 'sentence'"):
+        BaselineConfig(prophetkv_unit="sentence")

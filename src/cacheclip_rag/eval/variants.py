@@ -4,7 +4,8 @@ samples. Registered when `cacheclip_rag.eval` is imported; not serving modes.
 
 `prophetkv-max`: ProphetKV with its per-layer query attention fused by max over layers instead
 of the mean; `prophetkv-hmean`: with each layer's attention averaged over query heads instead of
-their max (the first default; `selectors/prophetkv.py`).
+their max (the first default; `selectors/prophetkv.py`); `prophetkv-word`: choosing whole words
+ranked by their best token instead of single tokens.
 
 `cacheclip+prophetkv`: one budget split between the two query-driven selections. On the needle
 suite they fail on different questions (CacheClip on multi-value needles, ProphetKV on multi-key
@@ -38,6 +39,11 @@ class ProphetKVHeadMean(ProphetKV):
     heads = "mean"
 
 
+class ProphetKVWord(ProphetKV):
+    name = "prophetkv-word"
+    unit = "word"
+
+
 class CacheClipProphetKV(Selector):
     """share: the fraction of the ratio's rows CacheClip's selection takes (ProphetKV the rest)."""
 
@@ -61,4 +67,5 @@ class CacheClipProphetKV(Selector):
 
 register(ProphetKVMax())
 register(ProphetKVHeadMean())
+register(ProphetKVWord())
 register(CacheClipProphetKV())

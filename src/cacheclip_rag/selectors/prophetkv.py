@@ -38,21 +38,60 @@ from ..select import rows_attention
 
 
 class ProphetKV(Selector):
-    """fuse, heads: the fusion over layers and the reduction over heads, or None for the engine
-    config's (`BaselineConfig.prophetkv_fuse`, `prophetkv_heads`). A subclass fixing one is how a
-    bench compares it with the default on the same samples (`eval/variants.py`)."""
+    """fuse, heads, unit: the fusion over layers, the reduction over heads and the unit chosen, or
+    None for the engine config's (`BaselineConfig.prophetkv_fuse`, `prophetkv_heads`,
+    `prophetkv_unit`). A subclass fixing one is how a bench compares it with the default on the
+    same samples (`eval/variants.py`)."""
 
     name = "prophetkv"
     fuse: str | None = None
     heads: str | None = None
+    unit: str | None = None
 
     def plan(self, prepared) -> Plan:
         start = time.perf_counter()
         scores = query_attention(prepared, fuse=self.fuse, heads=self.heads)
         chunk_rows = prepared.layout.chunk_rows()
         k = round(prepared.request.ratio * chunk_rows.numel())
-        top = torch.topk(scores, k).indices if k > 0 else torch.empty(0, dtype=torch.long)
+        if (self.unit or prepared.config.baselines.prophetkv_unit) == "word":
+            top = top_words(scores, word_ids(prepared.layout), k)
+        else:
+            top = torch.topk(scores, k).indices if k > 0 else torch.empty(0, dtype=torch.long)
         return Plan(rows=torch.sort(chunk_rows[top]).values, seconds=time.perf_counter() - start)
+
+
+def word_ids(layout) -> torch.Tensor:
+    """[C] the word each chunk row belongs to, in `layout.chunk_rows()` order, numbered from 0.
+    A token continues the previous one's word where its text starts where the previous one's
+    ended and both sides of that boundary are letters or digits: a number the tokenizer cut into
+    single digits, or a word cut into pieces, is one word; a space or punctuation starts a new
+    one. Words never cross chunks; a packet's soft rows (negative ids) are words of their own."""
+    out, word = [], -1
+    for seg in layout.chunk_segments():
+        text, ids, offsets = seg.text, seg.ids.tolist(), seg.offsets.tolist()
+        for t, (start, _) in enumerate(offsets):
+            prev_end = offsets[t - 1][1] if t else -1
+            joined = (t > 0 and ids[t] >= 0 and ids[t - 1] >= 0 and start == prev_end and 0 < start < len(text)
+                      and text[start].isalnum() and text[start - 1].isalnum())
+            word += 0 if joined else 1
+            out.append(word)
+    return torch.tensor(out, dtype=torch.long)
+
+
+def top_words(scores: torch.Tensor, words: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices into `scores` [C] of the whole words (`words` [C], as `word_ids` numbers them)
+    whose best-scored token ranks highest, taken until they hold at least k tokens: a value the
+    query reads is recomputed with all its digits, never some of them."""
+    if k <= 0:
+        return torch.empty(0, dtype=torch.long)
+    n = int(words.max()) + 1
+    best = torch.full((n,), float("-inf"), dtype=scores.dtype).scatter_reduce(0, words, scores, "amax")
+    sizes = torch.bincount(words, minlength=n)
+    order = torch.argsort(best, descending=True, stable=True)
+    taken = int(torch.searchsorted(torch.cumsum(sizes[order], 0), k)) + 1
+    chosen = torch.zeros(n, dtype=torch.bool)
+    chosen[order[:taken]] = True
+    return torch.nonzero(chosen[words]).flatten()
 
 
 @torch.inference_mode()
