@@ -176,5 +176,3 @@ def test_prophetkv_by_words_recomputes_whole_words(eng):
         assert taken[words == w].all() or not taken[words == w].any()
     k = round(0.3 * chunk_rows.numel())
     assert k <= int(taken.sum()) < k + int(torch.bincount(words).max())
-    with pytest.raises(ValueError, match="prophetkv_unit must be 'token' or 'word', got 'sentence'"):
-        BaselineConfig(prophetkv_unit="sentence")

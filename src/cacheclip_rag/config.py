@@ -156,10 +156,6 @@ class BaselineConfig:
     """How ProphetKV reduces each layer's attention over query heads (each head's averaged over
     the query rows first): "max" keeps a token that any one head reads strongly, "mean" dilutes
     it by the heads that do not (measured in `docs/benchmarks.md`)."""
-    prophetkv_unit: str = "token"
-    """What ProphetKV chooses: the top-scored "token"s, or whole "word"s ranked by their best
-    token (a number cut into single digits is one word), so that a value the query reads is
-    never recomputed in part (`selectors/prophetkv.py`)."""
 
     def __post_init__(self) -> None:
         for name in ("ape_temperature", "ape_scale"):
@@ -173,8 +169,6 @@ class BaselineConfig:
         for name in ("prophetkv_fuse", "prophetkv_heads"):
             if getattr(self, name) not in ("mean", "max"):
                 raise ValueError(f"{name} must be 'mean' or 'max', got {getattr(self, name)!r}")
-        if self.prophetkv_unit not in ("token", "word"):
-            raise ValueError(f"prophetkv_unit must be 'token' or 'word', got {self.prophetkv_unit!r}")
 
 
 @dataclass(frozen=True)

@@ -38,22 +38,23 @@ from ..select import rows_attention
 
 
 class ProphetKV(Selector):
-    """fuse, heads, unit: the fusion over layers, the reduction over heads and the unit chosen, or
-    None for the engine config's (`BaselineConfig.prophetkv_fuse`, `prophetkv_heads`,
-    `prophetkv_unit`). A subclass fixing one is how a bench compares it with the default on the
-    same samples (`eval/variants.py`)."""
+    """fuse, heads: the fusion over layers and the reduction over heads, or None for the engine
+    config's (`BaselineConfig.prophetkv_fuse`, `prophetkv_heads`). unit: what is chosen, the
+    top-scored "token"s, or whole "word"s ranked by their best token (`top_words`; measured level
+    with tokens at 2K and 4K, so a bench variant only). A subclass fixing one is how a bench
+    compares it with the default on the same samples (`eval/variants.py`)."""
 
     name = "prophetkv"
     fuse: str | None = None
     heads: str | None = None
-    unit: str | None = None
+    unit: str = "token"
 
     def plan(self, prepared) -> Plan:
         start = time.perf_counter()
         scores = query_attention(prepared, fuse=self.fuse, heads=self.heads)
         chunk_rows = prepared.layout.chunk_rows()
         k = round(prepared.request.ratio * chunk_rows.numel())
-        if (self.unit or prepared.config.baselines.prophetkv_unit) == "word":
+        if self.unit == "word":
             top = top_words(scores, word_ids(prepared.layout), k)
         else:
             top = torch.topk(scores, k).indices if k > 0 else torch.empty(0, dtype=torch.long)
