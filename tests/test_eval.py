@@ -249,8 +249,11 @@ def test_miniature_qa_and_ttft_runs(eng, tmp_path):
     rows = qa.summarize(qa.run(eng, examples, [("reuse", 0.0), ("cacheclip", 0.5)], max_new_tokens=3))
     assert [r["mode"] for r in rows] == ["full", "cacheclip", "reuse"]
     assert "F1 %full" in qa.table(rows)
-    trows = ttft.run(eng, [120], [("reuse", 0.0), ("cacheclip", 0.2)], runs=2, max_new_tokens=2)
+    steps: list[str] = []
+    trows = ttft.run(eng, [120], [("reuse", 0.0), ("cacheclip", 0.2)], runs=2, max_new_tokens=2, progress=steps.append)
     assert [r.mode for r in trows] == ["full", "reuse", "cacheclip"] and trows[0].vs_full == 1.0
+    assert len(steps) == ttft.requests([120], [("reuse", 0.0), ("cacheclip", 0.2)], runs=2) == 6
+    assert steps[0].startswith("120 full: ")
     ttft.write_json(trows, tmp_path / "t.json")
 
 

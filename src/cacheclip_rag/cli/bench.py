@@ -76,8 +76,10 @@ def cmd_bench(args) -> int:
     engine = engine_from_args(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
     peers = _open_peers(args.peer or [], args.primary, max(args.lengths) + 512)
     try:
-        rows = ttft.run(engine, args.lengths, _mode_list(args.modes or ["full", "reuse", "cacheclip"], args.ratios),
-                        runs=args.runs, max_new_tokens=args.max_new_tokens, budget=args.budget, peers=peers)
+        modes = _mode_list(args.modes or ["full", "reuse", "cacheclip"], args.ratios)
+        step = progress_bar(ttft.requests(args.lengths, modes, args.runs, peers), "ttft", "request")
+        rows = ttft.run(engine, args.lengths, modes, runs=args.runs, max_new_tokens=args.max_new_tokens,
+                        budget=args.budget, peers=peers, progress=step)
     finally:
         for peer in peers.values():
             if not isinstance(peer, str):

@@ -95,11 +95,12 @@ def run(
     cold: bool = True,
     budget: str = "keep",
     peers: dict | None = None,
+    progress=None,
 ) -> list[TTFTRow]:
     """modes: (mode, ratio) pairs (registered modes or `needle.BENCH_MODES`); `full` is always
     measured as the reference. budget: the selection budget rule of the ratio modes.
     peers: name -> an open peer (`peers.LlamaCpp`), or the reason it cannot run (a str, kept as
-    its row's note).
+    its row's note). progress(message) is called after each timed request (`requests(...)` of them).
 
     cold: empty the store's memory tier before each request, so cache loading from disk (the
     OS page cache, in practice) is part of every reuse-mode TTFT.
@@ -127,9 +128,13 @@ def run(
                         engine.answer(question, chunk_ids=ids, recompute_ratio=ratio, max_new_tokens=max_new_tokens,
                                       **request_for(mode, budget))
                     )
+                if progress:
+                    progress(f"{length} {mode}: {samples[(mode, ratio)][-1].timings['ttft']:.1f} s")
             for name, peer in live.items():
                 with peak_rss(peer_peaks[name]):
                     peer_runs[name].append(peer.ttft(prompt_ids))
+                if progress:
+                    progress(f"{length} {name}: {peer_runs[name][-1][0]:.1f} s")
         full_ttft = _median([a.timings["ttft"] for a in samples[("full", 1.0)]])
         for (mode, ratio), answers in samples.items():
             ttft = [a.timings["ttft"] for a in answers]
@@ -160,6 +165,12 @@ def run(
             rows.append(_peer_row(length, name, peer, peer_runs.get(name, []), peer_peaks.get(name, []), full_ttft,
                                   full, engine.primary.lm.tokenizer))
     return rows
+
+
+def requests(lengths: list[int], modes: list[tuple[str, float]], runs: int, peers: dict | None = None) -> int:
+    """How many timed requests `run` makes (its progress steps), peer runs included."""
+    live = sum(not isinstance(peer, str) for peer in (peers or {}).values())
+    return len(lengths) * runs * (len({("full", 1.0), *modes}) + live)
 
 
 def _peer_row(length: int, name: str, peer, runs: list[tuple[float, int]], peaks: list[float], full_ttft: float,
