@@ -34,20 +34,19 @@ def rows(n: int, m: int, spread: str) -> torch.Tensor:
     return torch.sort(n - 1 - (torch.rand(m) ** 2 * n).long().clamp(max=n - 1)).values.unique()
 
 
-def median_ms(fn, runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(1000 * (time.perf_counter() - start))
-    return statistics.median(times)
+def elapsed_ms(fn) -> float:
+    """Milliseconds one call of fn takes."""
+    start = time.perf_counter()
+    fn()
+    return 1000 * (time.perf_counter() - start)
 
 
 def counts() -> None:
     """Split blocks by block count, float32, against the full causal attention of the layer."""
     for n in (4096, 8192):
         q, k, v = torch.randn(1, 14, n, 64), torch.randn(1, 2, n, 64), torch.randn(1, 2, n, 64)
-        full = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), 3)
+        full = statistics.median(
+            elapsed_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)) for _ in range(3))
         print(f"N={n} full causal attention: {full:.1f} ms", flush=True)
         for spread in ("even", "late"):
             pos = rows(n, n // 5, spread)
@@ -58,7 +57,7 @@ def counts() -> None:
             times: dict[str, list[float]] = {name: [] for name in plans}
             for _ in range(5):
                 for name, plan in plans.items():
-                    times[name].append(median_ms(lambda: blocked_attention(qq, k, v, plan), 1))
+                    times[name].append(elapsed_ms(lambda: blocked_attention(qq, k, v, plan)))
             cells = ", ".join(f"{name}: {statistics.median(t):.1f}" for name, t in times.items())
             print(f"  {spread} rows={pos.numel()} pairs {share:.3f} of full, ideal {share * full:.1f} ms | {cells}", flush=True)
 
@@ -80,9 +79,7 @@ def main() -> None:
                 times: dict[str, list[float]] = {kind: [] for kind in plans}
                 for _ in range(7):
                     for kind, plan in plans.items():
-                        start = time.perf_counter()
-                        blocked_attention(qq, k, v, plan)
-                        times[kind].append(1000 * (time.perf_counter() - start))
+                        times[kind].append(elapsed_ms(lambda: blocked_attention(qq, k, v, plan)))
                 ref = blocked_attention(qq, k, v, plans["split"]).float()
                 err = (blocked_attention(qq, k, v, plans["matmul"]).float() - ref).abs().mean().item()
                 med = {kind: statistics.median(t) for kind, t in times.items()}

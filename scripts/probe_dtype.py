@@ -14,6 +14,7 @@ its last 64 positions (8 on random tokens).
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 
@@ -37,16 +38,12 @@ def main() -> None:
     name = args.model or DEFAULT_PRIMARY
     models = {d: load(name, ModelConfig(dtype=d)) for d in ("float32",) + (() if args.no_bf16 else ("bfloat16",))}
     if args.int8:
-        import copy
-
         from torch.ao.quantization import quantize_dynamic
 
         quantized = copy.deepcopy(models["float32"])
         quantized.model = quantize_dynamic(quantized.model, {torch.nn.Linear}, dtype=torch.qint8)
         models["int8"] = quantized
     if args.torchao:
-        import copy
-
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
 
         for label, config in (("ao-int8-weights", Int8WeightOnlyConfig()), ("ao-int8-dynamic", Int8DynamicActivationInt8WeightConfig())):

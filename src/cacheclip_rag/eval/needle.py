@@ -69,6 +69,11 @@ class NeedleResult:
     """Jaccard of the recomputed chunk rows with the oracle mode's at the same ratio (nan if not run)."""
 
 
+def with_full(modes: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    """The (mode, ratio) pairs a bench runs: `full` (ratio 1), the reference, first unless given."""
+    return modes if ("full", 1.0) in modes else [("full", 1.0), *modes]
+
+
 def run(
     engine: CacheClipEngine,
     modes: list[tuple[str, float]],
@@ -81,8 +86,7 @@ def run(
     budget: str = "paper",
 ) -> list[NeedleResult]:
     """modes: (mode, ratio) pairs; full (ratio 1) is always run, as the reference."""
-    if ("full", 1.0) not in modes:
-        modes = [("full", 1.0), *modes]
+    modes = with_full(modes)
     packets = uses_packets(modes)
     results: list[NeedleResult] = []
     for length, variant, sample_seed, sample, ids in suite(engine, variants, lengths, samples, seed, progress, packets):

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..engine import CacheClipEngine
-from .needle import label, request_for, uses_packets
+from .needle import label, request_for, uses_packets, with_full
 from .metrics import best_of, exact_match, normalize, rouge_l, token_f1
 
 
@@ -81,8 +81,7 @@ def load_dataset(path: str | Path) -> list[QAExample]:
 
 
 def run(engine: CacheClipEngine, examples: list[QAExample], modes: list[tuple[str, float]], max_new_tokens: int = 32) -> list[QAResult]:
-    if ("full", 1.0) not in modes:
-        modes = [("full", 1.0), *modes]
+    modes = with_full(modes)
     results = []
     packets = uses_packets(modes)
     for i, ex in enumerate(examples):

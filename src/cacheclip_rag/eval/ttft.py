@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..engine import CacheClipEngine
 from ..haystack import needle_context
-from .needle import ratio_text, request_for, uses_packets
+from .needle import ratio_text, request_for, uses_packets, with_full
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +105,7 @@ def run(
     cold: empty the store's memory tier before each request, so cache loading from disk (the
     OS page cache, in practice) is part of every reuse-mode TTFT.
     """
-    if ("full", 1.0) not in modes:
-        modes = [("full", 1.0), *modes]
+    modes = with_full(modes)
     rows: list[TTFTRow] = []
     for length in lengths:
         context, question, expected = needle_context(engine.primary.lm.tokenizer, length, seed + length)
@@ -170,7 +169,7 @@ def run(
 def requests(lengths: list[int], modes: list[tuple[str, float]], runs: int, peers: dict | None = None) -> int:
     """How many timed requests `run` makes (its progress steps), peer runs included."""
     live = sum(not isinstance(peer, str) for peer in (peers or {}).values())
-    return len(lengths) * runs * (len({("full", 1.0), *modes}) + live)
+    return len(lengths) * runs * (len(with_full(modes)) + live)
 
 
 def _peer_row(length: int, name: str, peer, runs: list[tuple[float, int]], peaks: list[float], full_ttft: float,
