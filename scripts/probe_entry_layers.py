@@ -33,6 +33,13 @@ from cacheclip_rag.paths import cache_dir
 VARIANTS = ["multikey_1", "multivalue", "multiquery"]
 
 
+def bench_engine() -> CacheClipEngine:
+    """The engine the needle benches run: the default pair, the bench store, 256-token chunks
+    without overlap."""
+    return CacheClipEngine.from_pretrained(store_dir=str(cache_dir() / "bench-store"),
+                                           config=EngineConfig(chunk=ChunkConfig(chunk_tokens=256, overlap_tokens=0)))
+
+
 @torch.inference_mode()
 def isolated_hidden(engine, layout, layer: int) -> torch.Tensor:
     """[N, hidden]: each chunk row's input to `layer` in its chunk's own prefill (zeros elsewhere)."""
@@ -109,6 +116,27 @@ def conditions(ranked: dict[float, torch.Tensor], layers: int) -> list[tuple[str
     return out
 
 
+def measure(ref, logprobs: torch.Tensor, **fields) -> dict:
+    """One record: `fields` with the mean KL(full || these log-probabilities) over the answer and
+    the share of answer positions whose top token is full attention's."""
+    return dict(fields, kl=float(kl_positions(ref.full_logprobs, logprobs).mean()),
+                agree=float(top1_agreement(ref.full_logprobs, logprobs).float().mean()))
+
+
+def report(records: list[dict], lengths: list[int], path: str | None) -> None:
+    """Print one line per (length, condition, cost), means over samples; write the records as JSON."""
+    print(f"{'len':>5} {'condition':<34} {'cost':>5} {'KL(full||.)':>11} {'top-1':>6} {'n':>3}")
+    for length in lengths:
+        keys = dict.fromkeys((r["condition"], r["cost"]) for r in records if r["length"] == length)
+        for name, c in keys:
+            sel = [r for r in records if r["length"] == length and (r["condition"], r["cost"]) == (name, c)]
+            print(f"{length:>5} {name:<34} {c:>5.2f} {statistics.mean(r['kl'] for r in sel):>11.4f} "
+                  f"{100 * statistics.mean(r['agree'] for r in sel):>5.1f}% {len(sel):>3}")
+    if path:
+        with open(path, "w") as f:
+            json.dump(records, f, indent=1)
+
+
 def cost(first: float, later: float, entry: int, layers: int) -> float:
     return first + (later - first) * (layers - entry) / layers
 
@@ -123,8 +151,7 @@ def main() -> None:
     ap.add_argument("--no-entries", action="store_true", help="skip the late-entry conditions")
     args = ap.parse_args()
     print(describe(), flush=True)
-    engine = CacheClipEngine.from_pretrained(store_dir=str(cache_dir() / "bench-store"),
-                                             config=EngineConfig(chunk=ChunkConfig(chunk_tokens=256, overlap_tokens=0)))
+    engine = bench_engine()
     layers = engine.primary.lm.num_layers
     records = []
     start = time.time()
@@ -143,29 +170,16 @@ def main() -> None:
             if entry not in hidden:
                 hidden[entry] = isolated_hidden(engine, ref.layout, entry)
             lp = forced(engine, ref, ranked[r_first], ranked[r_later], entry, hidden[entry])
-            records.append(dict(length=length, variant=variant, seed=seed, condition=name,
-                                cost=cost(r_first, r_later, entry, layers),
-                                kl=float(kl_positions(ref.full_logprobs, lp).mean()),
-                                agree=float(top1_agreement(ref.full_logprobs, lp).float().mean())))
+            records.append(measure(ref, lp, length=length, variant=variant, seed=seed, condition=name,
+                                   cost=cost(r_first, r_later, entry, layers)))
         for name, r_full, r_low, exit in exit_conditions(layers) if args.exits else ():
             lp = forced(engine, ref, ranked[r_full], ranked[r_full], 0, None, early=ranked[r_low], exit=exit)
-            records.append(dict(length=length, variant=variant, seed=seed, condition=name,
-                                cost=exit_cost(r_full, r_low, exit, layers),
-                                kl=float(kl_positions(ref.full_logprobs, lp).mean()),
-                                agree=float(top1_agreement(ref.full_logprobs, lp).float().mean())))
+            records.append(measure(ref, lp, length=length, variant=variant, seed=seed, condition=name,
+                                   cost=exit_cost(r_full, r_low, exit, layers)))
         # the probe's loop against the library's replay, on one shared condition
         check = float(kl_positions(ref.forced(engine, ranked[0.2]), forced(engine, ref, ranked[0.2], ranked[0.2], 0, hidden[0])).mean())
         print(f"{length} {variant} seed {seed} done, {time.time() - start:.0f} s (loop vs replay KL {check:.2e})", flush=True)
-    print(f"{'len':>5} {'condition':<34} {'cost':>5} {'KL(full||.)':>11} {'top-1':>6} {'n':>3}")
-    for length in args.lengths:
-        names = list(dict.fromkeys(r["condition"] for r in records if r["length"] == length))
-        for name in names:
-            sel = [r for r in records if r["length"] == length and r["condition"] == name]
-            print(f"{length:>5} {name:<34} {sel[0]['cost']:>5.2f} {statistics.mean(r['kl'] for r in sel):>11.4f} "
-                  f"{100 * statistics.mean(r['agree'] for r in sel):>5.1f}% {len(sel):>3}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+    report(records, args.lengths, args.json)
 
 
 if __name__ == "__main__":

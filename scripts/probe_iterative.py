@@ -15,23 +15,17 @@ reading. And the bound on any reading: ProphetKV's scores read over full attenti
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 
 import torch
 
-from cacheclip_rag import CacheClipEngine
-from cacheclip_rag.config import ChunkConfig, EngineConfig
 from cacheclip_rag.eval import needle
 from cacheclip_rag.eval.fidelity import mode_rows
-from cacheclip_rag.fidelity import kl_positions, reference, top1_agreement
+from cacheclip_rag.fidelity import reference
 from cacheclip_rag.hardware import describe
-from cacheclip_rag.paths import cache_dir
 from cacheclip_rag.recompute import recompute_rows
 from cacheclip_rag.select import rows_attention
-
-VARIANTS = ["multikey_1", "multivalue", "multiquery"]
+from probe_entry_layers import VARIANTS, bench_engine, measure, report  # scripts/ is on the path when a script runs
 
 
 @torch.inference_mode()
@@ -78,14 +72,11 @@ def main() -> None:
                     default=[(0.1, 0.1), (0.2, 0.1), (0.1, 0.2)], help="first+extra pairs, e.g. 0.1+0.1")
     args = ap.parse_args()
     print(describe(), flush=True)
-    engine = CacheClipEngine.from_pretrained(store_dir=str(cache_dir() / "bench-store"),
-                                             config=EngineConfig(chunk=ChunkConfig(chunk_tokens=256, overlap_tokens=0)))
+    engine = bench_engine()
     records, start = [], time.time()
 
     def record(length, variant, seed, name, cost, lp, ref):
-        records.append(dict(length=length, variant=variant, seed=seed, condition=name, cost=cost,
-                            kl=float(kl_positions(ref.full_logprobs, lp).mean()),
-                            agree=float(top1_agreement(ref.full_logprobs, lp).float().mean())))
+        records.append(measure(ref, lp, length=length, variant=variant, seed=seed, condition=name, cost=cost))
 
     for length, variant, seed, sample, ids in needle.suite(engine, VARIANTS, args.lengths, args.samples, args.seed):
         ref = reference(engine, sample.question, ids, 64)
@@ -110,16 +101,7 @@ def main() -> None:
             record(length, variant, seed, f"  same rows in one pass {first}+{extra}", first + extra,
                    ref.forced(engine, torch.unique(torch.cat([ranked[first], more]))), ref)
         print(f"{length} {variant} seed {seed} done, {time.time() - start:.0f} s", flush=True)
-    print(f"{'len':>5} {'condition':<34} {'cost':>5} {'KL(full||.)':>11} {'top-1':>6} {'n':>3}")
-    for length in args.lengths:
-        for name in dict.fromkeys(r["condition"] for r in records if r["length"] == length):
-            for cost in sorted({r["cost"] for r in records if r["condition"] == name}):
-                sel = [r for r in records if r["length"] == length and r["condition"] == name and r["cost"] == cost]
-                print(f"{length:>5} {name:<34} {cost:>5.2f} {statistics.mean(r['kl'] for r in sel):>11.4f} "
-                      f"{100 * statistics.mean(r['agree'] for r in sel):>5.1f}% {len(sel):>3}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+    report(records, args.lengths, args.json)
 
 
 if __name__ == "__main__":
