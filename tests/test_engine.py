@@ -240,3 +240,6 @@ def test_store_counters_count_chunk_reads_per_model_and_not_the_shared_prefix(en
     assert second["primary_memory_hits"] - first["primary_memory_hits"] == len(ids)  # now from the memory tier
     assert second["primary_disk_hits"] == first["primary_disk_hits"]
     assert second["memory_hits"] >= second["primary_memory_hits"]  # the totals include the aux's reads
+    # the aux's scoring layers were kept in memory too: the second request read nothing from the store
+    assert second["disk_hits"] == first["disk_hits"]
+    assert second["memory_hits"] - first["memory_hits"] == 2 * len(ids)

@@ -101,17 +101,21 @@ class ChunkCaches:
 
     def get_layers(self, chunk_id: str, text: str | None, layers: int) -> ChunkKV:
         """The cache of a chunk cut to its first `layers` layers: from the memory tier, else only
-        those layers read (and verified) from the store, else encoded. What scores with the
-        early layers only (the aux pass) need not read the rest."""
-        source = self.store.open_layers(self.namespace, chunk_id)
+        those layers read (and verified) from the store and remembered (a partial entry, which
+        serves later reads of as many layers), else encoded. What scores with the early layers
+        only (the aux pass) need not read, nor keep in memory, the rest."""
+        source = self.store.open_layers(self.namespace, chunk_id, layers)
         if source is None or source.token_ids.numel() == 0:
             source = self.get(chunk_id, text)
         if isinstance(source, LayerReader):
             reader = source
             try:
-                parts = [reader.layer(i) for i in range(min(layers, reader.num_layers))]
-                return ChunkKV([k for k, _ in parts], [v for _, v in parts], reader.token_ids, reader.offsets,
-                               reader.start_pos)
+                n = min(layers, reader.num_layers)
+                parts = [reader.layer(i) for i in range(n)]
+                kv = ChunkKV([k for k, _ in parts], [v for _, v in parts], reader.token_ids, reader.offsets,
+                             reader.start_pos)
+                self.store.remember(self.namespace, chunk_id, kv, whole=n == reader.num_layers)
+                return kv
             except DamagedCacheError as err:
                 source = self.rebuild(chunk_id, err)
             finally:

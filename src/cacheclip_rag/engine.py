@@ -217,7 +217,7 @@ class CacheClipEngine:
         """This process's store counters: chunk-cache reads served from the memory tier, from the
         store, and misses (encoded), and cache writes; `primary_*`: the same for the primary's
         caches alone, the ones chunk-affinity routing keeps in a replica's memory tier (the aux
-        reads only its scoring layers, from the store, unless the whole cache is in memory)."""
+        reads, and keeps in memory, only its layers up to the deepest scoring layer)."""
         s, p = self.store.stats, self.store.stats_of(self.primary.namespace)
         return {"memory_hits": s.memory_hits, "disk_hits": s.disk_hits, "misses": s.misses, "writes": s.writes,
                 "primary_memory_hits": p.memory_hits, "primary_disk_hits": p.disk_hits, "primary_misses": p.misses}

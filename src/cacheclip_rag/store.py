@@ -269,16 +269,17 @@ class KVStore:
         """The cache of `key`, or None when it is missing or was damaged (and is now removed)."""
         return self._lookup(namespace, key, whole=True)
 
-    def open_layers(self, namespace: str, key: str) -> ChunkKV | LayerReader | None:
-        """For layer-wise loading: the cache from the memory tier (all layers at hand), or a
-        reader that loads and verifies one layer at a time, or None when it is missing or
-        damaged (then removed). Token ids and offsets are read and verified at once."""
-        return self._lookup(namespace, key, whole=False)
+    def open_layers(self, namespace: str, key: str, layers: int | None = None) -> ChunkKV | LayerReader | None:
+        """For layer-wise loading: the cache from the memory tier (every layer at hand, or with
+        `layers` set, at least the first `layers`), or a reader that loads and verifies one layer
+        at a time, or None when it is missing or damaged (then removed). Token ids and offsets are
+        read and verified at once."""
+        return self._lookup(namespace, key, whole=False, layers=layers)
 
-    def _lookup(self, namespace: str, key: str, whole: bool) -> ChunkKV | LayerReader | None:
+    def _lookup(self, namespace: str, key: str, whole: bool, layers: int | None = None) -> ChunkKV | LayerReader | None:
         """Memory tier first, then the backend: read whole (and remembered) or opened for layers."""
         check_namespace(namespace)
-        hit = self._memory.get((namespace, key))
+        hit = self._memory.get((namespace, key), layers)
         if hit is not None:
             self._count("memory_hits", namespace=namespace)
             return hit
@@ -311,9 +312,10 @@ class KVStore:
         self._memory.pop((namespace, key))
         self._count("damaged", "misses", namespace=namespace)
 
-    def remember(self, namespace: str, key: str, kv: ChunkKV) -> None:
-        """Put a cache that was read layer by layer into the memory tier."""
-        self._memory.put((namespace, key), kv)
+    def remember(self, namespace: str, key: str, kv: ChunkKV, whole: bool = True) -> None:
+        """Put a cache that was read layer by layer into the memory tier: whole, or (whole False)
+        its first layers only, which then serve reads of no more layers than it has."""
+        self._memory.put((namespace, key), kv, whole)
 
     def clear_memory(self) -> None:
         self._memory.clear()
