@@ -105,7 +105,7 @@ def exit_cost(full: float, low: float, exit: int, layers: int) -> float:
     return full + (low - full) * exit / layers
 
 
-def conditions(ranked: dict[float, torch.Tensor], layers: int) -> list[tuple[str, float, float, int]]:
+def conditions(layers: int) -> list[tuple[str, float, float, int]]:
     """(name, first ratio, later ratio, entry layer); cost = first + (later - first) x (L - e) / L."""
     out = [("reuse", 0.0, 0.0, 0), ("p@0.2 from 0", 0.2, 0.2, 0), ("p@0.3 from 0", 0.3, 0.3, 0),
            ("p@0.5 from 0", 0.5, 0.5, 0)]
@@ -163,7 +163,7 @@ def main() -> None:
         ranked = {r: mode_rows(engine, sample.question, ids, ref, "prophetkv", r, seed, "keep")[0] for r in (0.1, 0.2, 0.3, 0.4, 0.5)}
         ranked[0.0], ranked[1.0] = torch.empty(0, dtype=torch.long), chunk_rows
         hidden = {}
-        conds = conditions(ranked, layers)
+        conds = conditions(layers)
         if args.no_entries:
             conds = [c for c in conds if c[3] == 0]
         for name, r_first, r_later, entry in conds:
