@@ -243,3 +243,31 @@ def test_store_counters_count_chunk_reads_per_model_and_not_the_shared_prefix(en
     # the aux's scoring layers were kept in memory too: the second request read nothing from the store
     assert second["disk_hits"] == first["disk_hits"]
     assert second["memory_hits"] - first["memory_hits"] == 2 * len(ids)
+
+
+def test_the_aux_pass_keeps_in_memory_only_the_layers_it_reads(tiny_pair, tmp_path):
+    """Scoring at the aux's first layer reads, and keeps, one layer of its two: from the store, or
+    from an encode when the store lost the cache (a bounded store drops records); the memory tier
+    then serves the next request's aux pass and never stands in for the whole cache."""
+    from cacheclip_rag import SelectConfig
+    from cacheclip_rag.record import ChunkKV
+
+    cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4), select=SelectConfig(score_layers=(0,)))
+    with CacheClipEngine(*tiny_pair, tmp_path, cfg) as eng:
+        ids = eng.ingest(CORPUS, progress=False)[:2]
+        ns, store = eng.aux.namespace, eng.store
+        store.backend.delete(ns, ids[0])  # lost from the store: encoded again by the aux pass
+        store.clear_memory()
+        start = store.stats_of(ns)
+        first = eng.answer(QUESTION, chunk_ids=ids, mode="cacheclip", max_new_tokens=2)
+        read = store.stats_of(ns)
+        assert (read.misses - start.misses, read.writes - start.writes, read.disk_hits - start.disk_hits) == (1, 1, 1)
+        for cid in ids:
+            held = store.open_layers(ns, cid, 1)
+            assert isinstance(held, ChunkKV) and len(held.keys) == 1  # the partial entry
+            assert not isinstance(store.open_layers(ns, cid), ChunkKV)  # a whole read goes to the store
+        before = store.stats_of(ns)
+        again = eng.answer(QUESTION, chunk_ids=ids, mode="cacheclip", max_new_tokens=2)
+        after = store.stats_of(ns)
+        assert after.memory_hits - before.memory_hits == len(ids) and after.disk_hits == before.disk_hits
+        assert again.text == first.text

@@ -105,7 +105,12 @@ class ChunkCaches:
         serves later reads of as many layers), else encoded. What scores with the early layers
         only (the aux pass) need not read, nor keep in memory, the rest."""
         source = self.store.open_layers(self.namespace, chunk_id, layers)
-        if source is None or source.token_ids.numel() == 0:
+        if source is None:
+            kv = self.encode(chunk_id, text, remember=False)  # the tier keeps what is read: the cut
+            cut = _first_layers(kv, layers)
+            self.store.remember(self.namespace, chunk_id, cut, whole=cut is kv)
+            return cut
+        if source.token_ids.numel() == 0:
             source = self.get(chunk_id, text)
         if isinstance(source, LayerReader):
             reader = source
@@ -120,15 +125,14 @@ class ChunkCaches:
                 source = self.rebuild(chunk_id, err)
             finally:
                 reader.close()
-        if layers >= len(source.keys):
-            return source
-        return ChunkKV(source.keys[:layers], source.values[:layers], source.token_ids, source.offsets, source.start_pos)
+        return _first_layers(source, layers)
 
     def has(self, chunk_id: str) -> bool:
         return self.store.get_kv(self.namespace, chunk_id) is not None
 
-    def encode(self, chunk_id: str, text: str | None = None) -> ChunkKV:
-        """Prefill the chunk (as a packet, with adapters) after the shared prefix and store its cache."""
+    def encode(self, chunk_id: str, text: str | None = None, remember: bool = True) -> ChunkKV:
+        """Prefill the chunk (as a packet, with adapters) after the shared prefix and store its
+        cache (kept whole in the memory tier unless `remember` is False)."""
         if text is None:
             chunk = self.store.get_chunk(chunk_id)
             if chunk is None:
@@ -139,7 +143,7 @@ class ChunkCaches:
             kv = packet_cache(self.lm, self.adapters, self.prefix_ids, ids, offsets).to(self.storage)
         else:
             kv = encode_segment(self.lm, self.prefix_ids, text).to(self.storage)
-        self.store.put_kv(self.namespace, chunk_id, kv)
+        self.store.put_kv(self.namespace, chunk_id, kv, remember=remember)
         return kv
 
     def rebuild(self, chunk_id: str, why: Exception) -> ChunkKV:
@@ -150,6 +154,13 @@ class ChunkCaches:
     def remember(self, chunk_id: str, kv: ChunkKV) -> None:
         """Hand a cache read layer by layer to the store's memory tier."""
         self.store.remember(self.namespace, chunk_id, kv)
+
+
+def _first_layers(kv: ChunkKV, layers: int) -> ChunkKV:
+    """kv cut to its first `layers` layers (kv itself when it has no more)."""
+    if layers >= len(kv.keys):
+        return kv
+    return ChunkKV(kv.keys[:layers], kv.values[:layers], kv.token_ids, kv.offsets, kv.start_pos)
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -259,11 +259,14 @@ class KVStore:
 
     # ----- caches ---------------------------------------------------------------------------
 
-    def put_kv(self, namespace: str, key: str, kv: ChunkKV) -> None:
+    def put_kv(self, namespace: str, key: str, kv: ChunkKV, remember: bool = True) -> None:
+        """Store `kv` under `key` (atomically, with its checksums) and, unless `remember` is False,
+        keep it whole in the memory tier."""
         check_namespace(namespace)
         self.backend.put(namespace, key, *to_record(kv, namespace, key))
         self._count("writes", namespace=namespace)
-        self._memory.put((namespace, key), kv)
+        if remember:
+            self._memory.put((namespace, key), kv)
 
     def get_kv(self, namespace: str, key: str) -> ChunkKV | None:
         """The cache of `key`, or None when it is missing or was damaged (and is now removed)."""
