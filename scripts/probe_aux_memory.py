@@ -25,7 +25,7 @@ import time
 from cacheclip_rag.engine import CacheClipEngine
 from cacheclip_rag.haystack import needle_context
 from cacheclip_rag.plan import get as get_selector
-from cacheclip_rag.select import scoring_layers
+from cacheclip_rag.selectors.cacheclip import CacheClip
 
 
 def alternated(runs: int, fn, eng) -> tuple[float, float]:
@@ -58,8 +58,9 @@ def main() -> None:
         return eng.prepare(question, chunk_ids=ids, recompute_ratio=0.2, budget="keep")
 
     p = prepared()
-    deepest = max(scoring_layers(p.aux.lm, p.request.select.score_layers)) + 1
-    read = [kv.nbytes for kv in p.aux_kvs(layers=deepest)]
+    _, aux_kvs, _ = CacheClip.scoring(p)  # what the selector reads: up to its deepest scoring layer
+    deepest = len(aux_kvs[0].keys)
+    read = [kv.nbytes for kv in aux_kvs]
     print(f"store {eng.store.location}; {p.layout.num_tokens} tokens, {len(read)} chunks; aux layers read: "
           f"{deepest} of {p.aux.lm.num_layers}, {sum(read) / 2**20:.1f} MB")
 

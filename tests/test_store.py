@@ -100,24 +100,20 @@ def test_memory_tier_is_bounded(tmp_path):
     assert s.stats.disk_hits == 1
 
 
-def _first(kv: ChunkKV, layers: int) -> ChunkKV:
-    return ChunkKV(kv.keys[:layers], kv.values[:layers], kv.token_ids, kv.offsets, kv.start_pos)
-
-
 def test_a_partial_memory_entry_serves_reads_of_at_most_its_layers(tmp_path):
     """What the aux scoring pass leaves in memory: its first layers, never taken for the whole cache."""
     kv = _kv(layers=3)
     KVStore(tmp_path).put_kv(NS, "c", kv)
     s = KVStore(tmp_path)
-    s.remember(NS, "c", _first(kv, 2), whole=False)
-    assert s.memory_bytes == _first(kv, 2).nbytes
+    s.remember(NS, "c", kv.first_layers(2), whole=False)
+    assert s.memory_bytes == kv.first_layers(2).nbytes
     hit = s.open_layers(NS, "c", 2)
     assert isinstance(hit, ChunkKV) and len(hit.keys) == 2 and s.stats.memory_hits == 1
     assert not isinstance(s.open_layers(NS, "c", 3), ChunkKV)  # more layers than it holds: the store
     assert not isinstance(s.open_layers(NS, "c"), ChunkKV)  # every layer: the store
     _equal(s.get_kv(NS, "c"), kv)  # a whole read is never served by a partial entry...
     assert s.stats.memory_hits == 1 and s.stats.disk_hits == 3
-    s.remember(NS, "c", _first(kv, 1), whole=False)  # ...and, once whole, is not replaced by one
+    s.remember(NS, "c", kv.first_layers(1), whole=False)  # ...and, once whole, is not replaced by one
     _equal(s.get_kv(NS, "c"), kv)
     assert s.stats.memory_hits == 2 and s.memory_bytes == kv.nbytes
 

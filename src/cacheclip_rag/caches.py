@@ -107,7 +107,7 @@ class ChunkCaches:
         source = self.store.open_layers(self.namespace, chunk_id, layers)
         if source is None:
             kv = self.encode(chunk_id, text, remember=False)  # the tier keeps what is read: the cut
-            cut = _first_layers(kv, layers)
+            cut = kv.first_layers(layers)
             self.store.remember(self.namespace, chunk_id, cut, whole=cut is kv)
             return cut
         if source.token_ids.numel() == 0:
@@ -125,7 +125,7 @@ class ChunkCaches:
                 source = self.rebuild(chunk_id, err)
             finally:
                 reader.close()
-        return _first_layers(source, layers)
+        return source.first_layers(layers)
 
     def has(self, chunk_id: str) -> bool:
         return self.store.get_kv(self.namespace, chunk_id) is not None
@@ -154,13 +154,6 @@ class ChunkCaches:
     def remember(self, chunk_id: str, kv: ChunkKV) -> None:
         """Hand a cache read layer by layer to the store's memory tier."""
         self.store.remember(self.namespace, chunk_id, kv)
-
-
-def _first_layers(kv: ChunkKV, layers: int) -> ChunkKV:
-    """kv cut to its first `layers` layers (kv itself when it has no more)."""
-    if layers >= len(kv.keys):
-        return kv
-    return ChunkKV(kv.keys[:layers], kv.values[:layers], kv.token_ids, kv.offsets, kv.start_pos)
 
 
 def _name(dtype: torch.dtype) -> str:

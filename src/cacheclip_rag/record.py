@@ -57,6 +57,13 @@ class ChunkKV:
         return ChunkKV([k.to(dtype) for k in self.keys], [v.to(dtype) for v in self.values], self.token_ids,
                        self.offsets, self.start_pos)
 
+    def first_layers(self, layers: int) -> ChunkKV:
+        """The same cache cut to its first `layers` layers, sharing the tensors (itself when it
+        has no more)."""
+        if layers >= len(self.keys):
+            return self
+        return ChunkKV(self.keys[:layers], self.values[:layers], self.token_ids, self.offsets, self.start_pos)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {"token_ids": self.token_ids, "offsets": self.offsets}
         for layer, (k, v) in enumerate(zip(self.keys, self.values)):
