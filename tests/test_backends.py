@@ -250,3 +250,25 @@ def test_redis_size_bound_drops_the_oldest(redis_store_url):
         store.put_kv(NS, f"c{i}", kv)
     store.clear_memory()
     assert [store.get_kv(NS, f"c{i}") is not None for i in range(4)] == [False, False, True, True]
+
+
+def test_a_memory_store_leaves_no_folder_behind(tmp_path):
+    """`memory://` keeps nothing past its life: its scratch folder goes when the store is
+    collected, and a named store's (which lives as long as the process) when the process exits."""
+    import gc
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from cacheclip_rag.backends.memory import MemoryBackend
+
+    backend = MemoryBackend()
+    folder = backend.local_dir()
+    (folder / "index.faiss").write_bytes(b"x")
+    del backend
+    gc.collect()
+    assert not folder.exists()
+    code = "from cacheclip_rag.backends.memory import MemoryBackend; print(MemoryBackend.named('memory://t').local_dir())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
+    named = Path(out.stdout.strip())
+    assert named.name.startswith("cacheclip-memory-store-") and not named.exists()

@@ -4,8 +4,10 @@ Nothing outlives the process; for tests, scratch work and ephemeral serving."""
 from __future__ import annotations
 
 import copy
+import shutil
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -39,6 +41,9 @@ class MemoryBackend:
         self._docs: dict[str, dict] = {}
         self._lock = threading.Lock()
         self._dir = Path(tempfile.mkdtemp(prefix="cacheclip-memory-store-"))
+        # the folder (what an engine keeps beside its store, e.g. the chunk index) goes with the
+        # store, at the latest when the process exits: nothing of a memory store outlives it
+        weakref.finalize(self, shutil.rmtree, self._dir, True)
 
     @classmethod
     def named(cls, url: str) -> MemoryBackend:
