@@ -9,11 +9,11 @@ their KV caches. The same prompt is then answered in `full` mode to compare time
 
 import tempfile
 
+from langchain_cacheclip import CacheClipLLM, CacheClipRetriever
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import PromptTemplate
 
-from cacheclip_rag.demo import demo_documents
-from langchain_cacheclip import CacheClipLLM, CacheClipRetriever
+from cacheclip_rag.cli.demo import demo_documents
 
 
 def main() -> None:

@@ -10,9 +10,14 @@ chunk recognition; `CacheClipQueryEngine` hands the node ids over directly.
 import tempfile
 
 from llama_index.core import VectorStoreIndex
+from llama_index.llms.cacheclip import (
+    CacheClipEmbedding,
+    CacheClipLLM,
+    CacheClipQueryEngine,
+    chunk_nodes,
+)
 
-from cacheclip_rag.demo import demo_documents
-from llama_index.llms.cacheclip import CacheClipEmbedding, CacheClipLLM, CacheClipQueryEngine, chunk_nodes
+from cacheclip_rag.cli.demo import demo_documents
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ in cacheclip mode and once in full mode, and compare time to first token.
 import tempfile
 
 from cacheclip_rag import CacheClipEngine
-from cacheclip_rag.demo import demo_documents
+from cacheclip_rag.cli.demo import demo_documents
 
 
 def main() -> None:

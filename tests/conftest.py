@@ -13,7 +13,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from cacheclip_rag.models import wrap  # noqa: E402
+from cacheclip_rag.models.loading import wrap  # noqa: E402
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog near the river bank.",
@@ -26,7 +26,14 @@ CORPUS = [
 
 
 def _tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -110,7 +117,7 @@ def tiny_pair(tiny_tokenizer):
 def real_engine(tmp_path_factory):
     """The default pair with the shipped demo corpus ingested (one per test session)."""
     from cacheclip_rag import CacheClipEngine
-    from cacheclip_rag.demo import demo_documents
+    from cacheclip_rag.cli.demo import demo_documents
 
     engine = CacheClipEngine.from_pretrained(store_dir=tmp_path_factory.mktemp("real-store"))
     engine.ingest(demo_documents(), progress=False)
@@ -181,7 +188,7 @@ def redis_store_url(redis_url):
     """A fresh, empty store (its own key prefix) in the test Redis; flushed afterwards."""
     import uuid
 
-    from cacheclip_rag.backends.redis import RedisBackend
+    from cacheclip_rag.storage.backends.redis import RedisBackend
 
     url = f"{redis_url}?prefix=test-{uuid.uuid4().hex[:12]}"
     yield url

@@ -15,7 +15,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from conftest import CORPUS, _tokenizer, tiny_model  # noqa: E402
 
-from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig, caches  # noqa: E402
+from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
+from cacheclip_rag.corpus import caches  # noqa: E402
 
 QUESTION = "What is the secret number in the kitchen drawer?"
 MODES = [("full", 1.0), ("reuse", 0.0), ("cacheblend", 0.5), ("cacheclip", 0.5)]

@@ -4,13 +4,12 @@ import logging
 
 import httpx
 import pytest
+from conftest import CORPUS
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
-from cacheclip_rag.access import Keys, exposed_without_key
-from cacheclip_rag.server import BackgroundServer as Server
-from cacheclip_rag.server import create_app
-
-from conftest import CORPUS
+from cacheclip_rag.serving.access import Keys, exposed_without_key
+from cacheclip_rag.serving.server import BackgroundServer as Server
+from cacheclip_rag.serving.server import create_app
 
 ASK, ADMIN = "ask-key-0123456789", "admin-key-9876543210"
 
@@ -103,8 +102,8 @@ def test_the_admin_key_ingests_and_the_api_key_asks_through_the_openai_client(gu
 
 
 def test_serve_warns_when_it_binds_beyond_loopback_without_a_key(tiny_pair, tmp_path, monkeypatch, caplog):
-    from cacheclip_rag import server as server_lib
     from cacheclip_rag.cli import main
+    from cacheclip_rag.serving import server as server_lib
 
     folders = []
     for name, lm in zip(("primary", "aux"), tiny_pair):

@@ -3,12 +3,18 @@ the fewest top aux-scored tokens holding a calibrated share of the mass, within 
 
 import pytest
 import torch
-
-from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig, RequestOptions, SelectConfig
-from cacheclip_rag.profile import Profile, resolve
-from cacheclip_rag.select import mass_ratio
-
 from conftest import CORPUS
+
+from cacheclip_rag import (
+    CacheClipEngine,
+    ChunkConfig,
+    EngineConfig,
+    RequestOptions,
+    SelectConfig,
+)
+from cacheclip_rag.request.profile_source import resolve
+from cacheclip_rag.selectors.budget import mass_ratio
+from cacheclip_rag.storage.profiles import Profile
 
 Q = "what is the code in the kitchen drawer?"
 
@@ -35,7 +41,7 @@ def eng(tiny_pair, tmp_path_factory):
 def test_auto_reports_what_it_spent_within_its_floor_and_cap(eng, tiny_pair, tmp_path):
     ans = eng.answer(Q, chunk_ids=eng.ids, recompute_ratio="auto", max_new_tokens=2)
     assert ans.recompute_ratio == "auto" and ans.metadata()["recompute_ratio"] == "auto"
-    cfg = eng.select_config()
+    cfg = eng.profiles.settings()
     slack = 2 * cfg.window / ans.context_tokens  # grouping keeps the budget within a window per side
     assert cfg.auto_floor - slack <= ans.effective_fraction <= cfg.auto_cap + slack
     pinned = EngineConfig(chunk=eng.config.chunk, select=SelectConfig(auto_floor=0.3, auto_cap=0.3))
@@ -90,17 +96,17 @@ def test_auto_through_the_command_line_and_both_framework_llms(eng):
 
 
 def test_the_auto_share_is_calibrated_to_spend_a_fixed_ratio_on_average(tiny_pair, tmp_path):
-    from cacheclip_rag.calibrate import calibrate_share
+    from cacheclip_rag.offline.calibrate import calibrate_share
 
     engine = CacheClipEngine(*tiny_pair, tmp_path, EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4)))
     with pytest.raises(ValueError, match="no calibrated profile"):
         calibrate_share(engine, lengths=(120,), samples=1, progress=False)
     pair = dict(primary=engine.primary.lm.fingerprint, aux=engine.aux.lm.fingerprint)
-    engine.store.write_profile(Profile(**pair, aux_layers=(1,), lengths=(120,)))
+    engine.profiles.write(Profile(**pair, aux_layers=(1,), lengths=(120,)))
     (calibrated,) = calibrate_share(engine, lengths=(120,), samples=2, ratio=0.3, progress=False)
     assert 0 < calibrated.auto_share <= 1 and calibrated.aux_layers == (1,)
-    assert engine.profile.auto_share == calibrated.auto_share  # stored: requests use it from now on
-    assert engine.select_config().auto_share == calibrated.auto_share
+    assert engine.profiles.nearest().auto_share == calibrated.auto_share  # stored: requests use it from now on
+    assert engine.profiles.settings().auto_share == calibrated.auto_share
     engine.close()
 
 

@@ -11,13 +11,12 @@ import uuid
 
 import pytest
 import torch
-
-from cacheclip_rag.backends import StoreUnavailableError, open_backend
-from cacheclip_rag.chunking import Chunk
-from cacheclip_rag.profile import Profile
-from cacheclip_rag.store import KVStore
-
 from test_store import NS, _equal, _kv
+
+from cacheclip_rag.storage.backends import StoreUnavailableError, open_backend
+from cacheclip_rag.storage.profiles import Profile
+from cacheclip_rag.storage.record import Chunk
+from cacheclip_rag.storage.store import KVStore
 
 OTHER_NS = "cd" * 16
 
@@ -82,7 +81,7 @@ def test_damage_is_detected_removed_and_reported_missing(store):
 
 
 def test_damage_found_while_loading_layers(store):
-    from cacheclip_rag.record import DamagedCacheError
+    from cacheclip_rag.storage.record import DamagedCacheError
 
     store.put_kv(NS, "c1", _kv())
     store.clear_memory()
@@ -97,7 +96,7 @@ def _put_with_sums(store: KVStore, key: str, kv, algorithm: str | None) -> None:
     """A record as `put_kv` writes it, but carrying `algorithm`'s checksums (None: none at all)."""
     import json
 
-    from cacheclip_rag import record
+    from cacheclip_rag.storage import record
 
     tensors = {name: t.contiguous() for name, t in kv.tensors().items()}
     meta = {"format": "1", "key": key, "namespace": NS, "start_pos": str(kv.start_pos), "num_layers": str(len(kv.keys))}
@@ -107,7 +106,7 @@ def _put_with_sums(store: KVStore, key: str, kv, algorithm: str | None) -> None:
 
 
 def test_caches_written_with_sha256_sums_still_read_and_their_damage_is_still_found(store):
-    from cacheclip_rag.record import CHECKSUM
+    from cacheclip_rag.storage.record import CHECKSUM
 
     assert CHECKSUM == "xxh3_128"
     _put_with_sums(store, "old", _kv(seed=4), "sha256")  # a store written before XXH3
@@ -130,7 +129,7 @@ def test_failed_put_leaves_the_old_record(store, monkeypatch):
     store.put_kv(NS, "c1", old)
     kind = type(store.backend).__name__
     if kind == "FileBackend":
-        from cacheclip_rag.backends import files
+        from cacheclip_rag.storage.backends import files
 
         def broken(tensors, path, metadata=None):
             open(path, "wb").write(b"partial")
@@ -184,8 +183,8 @@ def test_a_store_is_named_by_a_path_or_a_url(tmp_path):
 
 def test_a_backend_registers_its_scheme_and_the_store_opens_it_by_url(tmp_path):
     """The seam: a backend module registers an opener; `KVStore` opens its URLs without naming it."""
-    from cacheclip_rag.backends import register, schemes, unregister
-    from cacheclip_rag.backends.memory import MemoryBackend
+    from cacheclip_rag.storage.backends import register, schemes, unregister
+    from cacheclip_rag.storage.backends.memory import MemoryBackend
 
     opened = []
     register("scratch", lambda url: opened.append(url) or MemoryBackend(url))
@@ -260,7 +259,7 @@ def test_a_memory_store_leaves_no_folder_behind(tmp_path):
     import sys
     from pathlib import Path
 
-    from cacheclip_rag.backends.memory import MemoryBackend
+    from cacheclip_rag.storage.backends.memory import MemoryBackend
 
     backend = MemoryBackend()
     folder = backend.local_dir()
@@ -268,7 +267,7 @@ def test_a_memory_store_leaves_no_folder_behind(tmp_path):
     del backend
     gc.collect()
     assert not folder.exists()
-    code = "from cacheclip_rag.backends.memory import MemoryBackend; print(MemoryBackend.named('memory://t').local_dir())"
+    code = "from cacheclip_rag.storage.backends.memory import MemoryBackend; print(MemoryBackend.named('memory://t').local_dir())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
     named = Path(out.stdout.strip())
     assert named.name.startswith("cacheclip-memory-store-") and not named.exists()

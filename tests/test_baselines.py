@@ -2,12 +2,17 @@
 
 import pytest
 import torch
+from conftest import CORPUS
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
-from cacheclip_rag.assemble import ape_positions
-from cacheclip_rag.recompute import ApeSpec, BlendSpec, _blend_keep, attend, attend_ape
-
-from conftest import CORPUS
+from cacheclip_rag.request.assemble import ape_positions
+from cacheclip_rag.request.recompute import (
+    ApeSpec,
+    BlendSpec,
+    _blend_keep,
+    attend,
+    attend_ape,
+)
 
 Q = "what is the code in the kitchen drawer?"
 

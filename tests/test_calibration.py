@@ -4,15 +4,15 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import CORPUS
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig, SelectConfig
-from cacheclip_rag import calibrate as calibrate_mod
-from cacheclip_rag.calibrate import calibrate
 from cacheclip_rag.eval import needle
-from cacheclip_rag.recompute import recompute_rows
-from cacheclip_rag.select import attention_from_rows, keep_budget, pick
-
-from conftest import CORPUS
+from cacheclip_rag.offline import calibrate as calibrate_mod
+from cacheclip_rag.offline.calibrate import calibrate
+from cacheclip_rag.request.recompute import recompute_rows
+from cacheclip_rag.selectors.budget import keep_budget, pick
+from cacheclip_rag.selectors.primary_attention import attention_from_rows
 
 Q = "what is the code in the kitchen drawer?"
 
@@ -105,24 +105,24 @@ def test_profile_round_trips_and_is_used_by_default(tiny_pair, tmp_path):
     cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4))
     eng = CacheClipEngine(*tiny_pair, tmp_path, cfg)
     eng.ids = eng.ingest(CORPUS, progress=False)[:4]
-    assert eng.score_layers == (-1,)
+    assert eng.profiles.settings().score_layers == (-1,)
     profile, _ = calibrate(eng, lengths=(120,), samples=1, answer_tokens=4)
     assert eng.store.read_profiles(eng.primary.lm.fingerprint, eng.aux.lm.fingerprint) == [profile]
-    assert eng.score_layers == profile.aux_layers
+    assert eng.profiles.settings().score_layers == profile.aux_layers
     assert eng.store.read_profiles("other", "pair") == []
     again = CacheClipEngine(eng.primary.lm, eng.aux.lm, eng.store.backend.root, eng.config)
-    assert again.profile == profile
+    assert again.profiles.nearest() == profile
     ans = again.answer(Q, chunk_ids=eng.ids, recompute_ratio=0.3, budget="keep", max_new_tokens=1)
     assert abs(ans.effective_fraction - 0.3) <= 8 / ans.context_tokens + 1e-9
-    resolved = again.select_config()
+    resolved = again.profiles.settings()
     assert (list(resolved.score_layers), resolved.head_agg, resolved.row_agg, resolved.normalize, resolved.context) == \
         (list(profile.aux_layers), profile.head_agg, profile.row_agg, profile.normalize, profile.context)
     assert ans.metadata()["score_layers"] == list(profile.aux_layers) and ans.metadata()["budget"] == "keep"
     # A config value overrides the profile's; a request's layers override both.
     pinned = CacheClipEngine(eng.primary.lm, eng.aux.lm, eng.store.backend.root,
                              EngineConfig(chunk=cfg.chunk, select=SelectConfig(score_layers=(0,), head_agg="max")))
-    assert pinned.select_config().score_layers == (0,) and pinned.select_config().head_agg == "max"
-    assert pinned.select_config().row_agg == profile.row_agg
+    assert pinned.profiles.settings().score_layers == (0,) and pinned.profiles.settings().head_agg == "max"
+    assert pinned.profiles.settings().row_agg == profile.row_agg
     ans = pinned.answer(Q, chunk_ids=eng.ids, score_layers=[-1], max_new_tokens=1)
     assert ans.score_layers == (-1,)
 
@@ -130,25 +130,26 @@ def test_profile_round_trips_and_is_used_by_default(tiny_pair, tmp_path):
 def test_a_request_takes_the_profile_calibrated_nearest_its_length(tiny_pair, tmp_path):
     """Profiles calibrated at different lengths live side by side; each request scores with the
     one nearest its own token count, and recalibrating a length replaces only that one."""
-    from cacheclip_rag.profile import Profile, nearest
+    from cacheclip_rag.request.profile_source import nearest
+    from cacheclip_rag.storage.profiles import Profile
 
     eng = CacheClipEngine(*tiny_pair, tmp_path, EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4)))
     ids = eng.ingest(CORPUS, progress=False)
     n_few, n_many = (eng.prepare(Q, chunk_ids=ids[:n]).layout.num_tokens for n in (1, len(ids)))
     assert n_many > 2 * n_few
     pair = dict(primary=eng.primary.lm.fingerprint, aux=eng.aux.lm.fingerprint)
-    eng.store.write_profile(Profile(**pair, aux_layers=(1,), lengths=(n_many,)))
-    eng.store.write_profile(Profile(**pair, aux_layers=(0,), lengths=(n_few,)))
-    eng.store.write_profile(Profile(primary="other", aux="pair", aux_layers=(1,), lengths=(n_few,)))
-    assert [p.aux_layers for p in eng.profiles] == [(0,), (1,)]  # shortest first, other pairs ignored
+    eng.profiles.write(Profile(**pair, aux_layers=(1,), lengths=(n_many,)))
+    eng.profiles.write(Profile(**pair, aux_layers=(0,), lengths=(n_few,)))
+    eng.profiles.write(Profile(primary="other", aux="pair", aux_layers=(1,), lengths=(n_few,)))
+    assert [p.aux_layers for p in eng.profiles.all()] == [(0,), (1,)]  # shortest first, other pairs ignored
     middle = (n_few * n_many) ** 0.5  # nearest by ratio of lengths
-    assert nearest(eng.profiles, int(middle) - 1).aux_layers == (0,)
-    assert nearest(eng.profiles, int(middle) + 1).aux_layers == (1,)
-    assert eng.profile.aux_layers == (0,) and nearest([], 100) is None
+    assert nearest(eng.profiles.all(), int(middle) - 1).aux_layers == (0,)
+    assert nearest(eng.profiles.all(), int(middle) + 1).aux_layers == (1,)
+    assert eng.profiles.nearest().aux_layers == (0,) and nearest([], 100) is None
     assert eng.answer(Q, chunk_ids=ids[:1], max_new_tokens=1).score_layers == (0,)
     assert eng.answer(Q, chunk_ids=ids, max_new_tokens=1).score_layers == (1,)
-    eng.store.write_profile(Profile(**pair, aux_layers=(2,), lengths=(n_many,)))
-    assert [p.aux_layers for p in eng.profiles] == [(0,), (2,)]
+    eng.profiles.write(Profile(**pair, aux_layers=(2,), lengths=(n_many,)))
+    assert [p.aux_layers for p in eng.profiles.all()] == [(0,), (2,)]
 
 
 @pytest.mark.parametrize("bad", [[], [99], ["1"], True, "last"])
@@ -160,8 +161,13 @@ def test_score_layers_request_option_is_validated(eng, bad):
 def test_teacher_forced_fidelity_matches_a_plain_forward_and_reuse(eng):
     """The fidelity signal's oracles: every chunk row recomputed gives the model's own forward
     over prompt + answer; no row recomputed gives direct reuse's own decoding logits."""
-    from cacheclip_rag.assemble import assemble
-    from cacheclip_rag.fidelity import Reference, kl_positions, reference, top1_agreement
+    from cacheclip_rag.offline.reference import (
+        Reference,
+        kl_positions,
+        reference,
+        top1_agreement,
+    )
+    from cacheclip_rag.request.pipeline import assemble
 
     prepared = eng.prepare(Q, eng.ids)
     layout, kvs = prepared.layout, prepared.chunk_kvs()

@@ -1,9 +1,8 @@
 import pytest
-
-from cacheclip_rag.chunking import chunk_id, split_document
-from cacheclip_rag.config import ChunkConfig
-
 from conftest import CORPUS
+
+from cacheclip_rag.config import ChunkConfig
+from cacheclip_rag.corpus.chunking import chunk_id, split_document
 
 
 def test_short_document_is_one_chunk(tiny_tokenizer):

@@ -4,10 +4,9 @@ import json
 import re
 
 import pytest
+from conftest import CORPUS
 
 from cacheclip_rag.cli import main
-
-from conftest import CORPUS
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +70,10 @@ def test_bench_niah_pools_saved_runs_without_loading_models(tmp_path, capsys):
     assert "Paired differences" in printed and "cacheclip@0.2" in printed
     pooled = json.loads(out.read_text())
     assert len(pooled["samples"]) == 6 and {p["other"] for p in pooled["versus"]} == {"full", "reuse"}
-    assert main(["bench", "ttft", "--from", str(out)]) == 2
-    assert "--from applies to `bench niah`" in capsys.readouterr().err
-    assert main(["bench", "ttft", "--versus", "cacheclip@0.2"]) == 2
-    assert "--versus applies to `bench niah`, `fidelity` and `deviation`" in capsys.readouterr().err
+    for flag in (["--from", str(out)], ["--versus", "cacheclip@0.2"]):  # each bench takes its own flags only
+        with pytest.raises(SystemExit) as exit_:
+            main(["bench", "ttft", *flag])
+        assert exit_.value.code == 2 and f"unrecognized arguments: {flag[0]}" in capsys.readouterr().err
 
 
 def test_bench_fidelity_prints_the_table_and_paired_differences(folders, tmp_path, capsys):
@@ -101,8 +100,9 @@ def test_bench_fidelity_frontier_places_each_mode_at_its_ttft(folders, tmp_path,
     assert all(r["ttft_vs_full"] > 0 for r in summary)
     assert "cacheclip@auto" in {r["label"] for r in summary}  # a curve of its own beside the numeric ratios
     assert (tmp_path / "p-frontier-100.png").is_file()
-    assert main(["bench", "ttft", "--frontier"]) == 2
-    assert "--frontier applies to `bench niah` and `bench fidelity`" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "ttft", "--frontier"])
+    assert exit_.value.code == 2 and "unrecognized arguments: --frontier" in capsys.readouterr().err
 
 
 def test_bench_deviation_prints_layers_concentration_and_fidelity(folders, tmp_path, capsys):
@@ -180,3 +180,28 @@ def test_bench_ttft_peer_row_says_a_folder_primary_has_no_gguf(folders, tmp_path
     with pytest.raises(SystemExit) as exited:  # argparse refuses an unknown peer by name
         main(["bench", "ttft", "--peer", "vllm"])
     assert exited.value.code == 2 and "invalid choice: 'vllm'" in capsys.readouterr().err
+
+
+def test_bench_schedules_times_one_request_under_each_schedule(folders, tmp_path, capsys):
+    out = tmp_path / "sch.json"
+    assert main(["bench", "schedules", "--length", "120", "--runs", "1", "--ratio", "0.5", "--chunk-tokens", "40",
+                 "--json", str(out), *_args(folders, tmp_path / "s")]) == 0
+    printed = capsys.readouterr().out
+    assert all(name in printed for name in ("overlapped", "select first", "all serial"))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["schedule"] for r in rows] == ["overlapped", "select first", "all serial"]
+    assert all(r["ttft"] > 0 and r["recompute"] > 0 for r in rows)
+    serial = rows[2]
+    assert serial["selection_hidden"] == 0  # nothing overlaps when everything runs in turn
+
+
+def test_bench_recompute_profile_lists_the_operators_of_recompute_and_full(folders, tmp_path, capsys):
+    out = tmp_path / "prof.json"
+    assert main(["bench", "recompute-profile", "--length", "120", "--ratio", "0.5", "--chunk-tokens", "40",
+                 "--json", str(out), *_args(folders, tmp_path / "s")]) == 0
+    printed = capsys.readouterr().out
+    assert "== recompute:" in printed and "== full:" in printed
+    result = json.loads(out.read_text())
+    assert [r["name"] for r in result["runs"]] == ["recompute", "full"]
+    assert 0 < result["rows"] < result["tokens"]
+    assert all(r["seconds"] > 0 and r["ops"] and all(op["calls"] >= 1 for op in r["ops"]) for r in result["runs"])

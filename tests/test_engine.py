@@ -2,10 +2,9 @@
 
 import pytest
 import torch
+from conftest import CORPUS, tiny_model
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
-
-from conftest import CORPUS, tiny_model
 
 QUESTION = "what is the code in the kitchen drawer?"
 
@@ -199,11 +198,10 @@ def test_bf16_storage_round_trip(tiny_pair, tmp_path):
     half.store.clear_memory()
     from_disk = half.answer(QUESTION, chunk_ids=ids[:3], mode="cacheclip", recompute_ratio=0.3, max_new_tokens=6)
     assert from_disk.text == first.text and from_disk.recomputed == first.recomputed
-    from cacheclip_rag import plan
-    from cacheclip_rag.execute import execute
+    from cacheclip_rag.request.execute import execute
 
-    a = execute(plain.prepare(QUESTION, ids[:3], mode="reuse"), plan.get("reuse"), None).logits
-    b = execute(half.prepare(QUESTION, ids[:3], mode="reuse"), plan.get("reuse"), None).logits
+    a = execute(plain.prepare(QUESTION, ids[:3], mode="reuse"), None).logits
+    b = execute(half.prepare(QUESTION, ids[:3], mode="reuse"), None).logits
     assert 0 < (a - b).abs().max() < 0.05 * a.abs().max()
     with pytest.raises(ValueError, match="kv_dtype"):
         StoreConfig(kv_dtype="int8")
@@ -250,7 +248,7 @@ def test_the_aux_pass_keeps_in_memory_only_the_layers_it_reads(tiny_pair, tmp_pa
     from an encode when the store lost the cache (a bounded store drops records); the memory tier
     then serves the next request's aux pass and never stands in for the whole cache."""
     from cacheclip_rag import SelectConfig
-    from cacheclip_rag.record import ChunkKV
+    from cacheclip_rag.storage.record import ChunkKV
 
     cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4), select=SelectConfig(score_layers=(0,)))
     with CacheClipEngine(*tiny_pair, tmp_path, cfg) as eng:

@@ -5,17 +5,31 @@ import math
 
 import pytest
 import torch
+from conftest import CORPUS
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
-from cacheclip_rag import fidelity as fidelity_lib
-from cacheclip_rag import niah
-from cacheclip_rag.eval import alignment, deviation, fidelity, html, needle, plots, qa, ttft
-from cacheclip_rag.eval.metrics import best_of, exact_match, normalize, rouge_l, token_f1
-from cacheclip_rag.niah import VARIANTS, generate, score
-from cacheclip_rag.select import to_chars, top_jaccard
+from cacheclip_rag.eval import (
+    alignment,
+    deviation,
+    fidelity,
+    html,
+    needle,
+    plots,
+    qa,
+    ttft,
+)
+from cacheclip_rag.eval.metrics import (
+    best_of,
+    exact_match,
+    normalize,
+    rouge_l,
+    token_f1,
+)
 from cacheclip_rag.eval.stats import bootstrap_interval, mean_of_means
-
-from conftest import CORPUS
+from cacheclip_rag.offline import niah
+from cacheclip_rag.offline import reference as fidelity_lib
+from cacheclip_rag.offline.niah import VARIANTS, generate, score
+from cacheclip_rag.offline.overlap import to_chars, top_jaccard
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -11,11 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from conftest import CORPUS, RedisServer
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
-from cacheclip_rag.server import BackgroundServer, create_app
-
-from conftest import CORPUS, RedisServer
+from cacheclip_rag.serving.server import BackgroundServer, create_app
 
 QUESTION = [{"role": "user", "content": "What is the code in the kitchen drawer?"}]
 

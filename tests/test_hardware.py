@@ -69,9 +69,9 @@ def test_roles_default_to_the_papers_placement(monkeypatch):
 def test_models_and_caches_land_where_the_config_says(tiny_pair, tmp_path):
     """On this CPU-only machine: both roles load on the configured device; chunk caches are
     kept on the host and the request's assembled cache and logits follow the primary."""
-    from cacheclip_rag import CacheClipEngine, EngineConfig, plan
-    from cacheclip_rag.execute import execute
-    from cacheclip_rag.models import load
+    from cacheclip_rag import CacheClipEngine, EngineConfig
+    from cacheclip_rag.models.loading import load
+    from cacheclip_rag.request.execute import execute
 
     primary, aux = tiny_pair
     folder = tmp_path / "primary"
@@ -91,5 +91,5 @@ def test_models_and_caches_land_where_the_config_says(tiny_pair, tmp_path):
     ids = engine.ingest(CORPUS[:3], progress=False)
     kv = engine.primary.get(ids[0])
     assert kv.keys[0].device == torch.device("cpu")
-    done = execute(engine.prepare("what is the code?", ids, mode="cacheclip", recompute_ratio=0.5), plan.get("cacheclip"), None)
+    done = execute(engine.prepare("what is the code?", ids, mode="cacheclip", recompute_ratio=0.5), None)
     assert done.logits.device == torch.device("cpu")

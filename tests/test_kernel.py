@@ -131,11 +131,12 @@ def test_launcher_rejects_bad_input(change, match):
 
 def test_recompute_through_the_kernel_equals_the_torch_path(tiny_lm):
     """Every family, sliding-window layers included, through the kernel and the torch path."""
-    from cacheclip_rag.assemble import assemble, build_layout
-    from cacheclip_rag.encode import encode_prefix, encode_segment, tokenize
-    from cacheclip_rag.recompute import recompute_rows
-
     from conftest import CORPUS
+
+    from cacheclip_rag.corpus.encode import encode_prefix, encode_segment, tokenize
+    from cacheclip_rag.request.assemble import build_layout
+    from cacheclip_rag.request.pipeline import assemble
+    from cacheclip_rag.request.recompute import recompute_rows
 
     lm = tiny_lm
     prefix = encode_prefix(lm, "System.\n\n")
@@ -175,7 +176,7 @@ def test_blocked_cpu_path_matches_reference(m, n, blocks, window, kind):
 
 
 def test_the_default_kind_follows_device_dtype_and_window(monkeypatch):
-    from cacheclip_kernels import BlockPlan, blocked_attention, blocked
+    from cacheclip_kernels import BlockPlan, blocked, blocked_attention
 
     pos = torch.arange(0, 600, 2)
     assert BlockPlan.build(pos, 600).kind == "split" and BlockPlan.build(pos, 600, window=50).kind == "plain"

@@ -5,13 +5,11 @@ import asyncio
 import threading
 
 import pytest
-from langchain_core.callbacks import BaseCallbackHandler
-from langchain_tests.integration_tests import RetrieversIntegrationTests
-
-from langchain_cacheclip import CacheClipLLM, CacheClipRetriever
-
 from conftest import CORPUS
 from fakes import FakeEngine
+from langchain_cacheclip import CacheClipLLM, CacheClipRetriever
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_tests.integration_tests import RetrieversIntegrationTests
 
 
 class Tokens(BaseCallbackHandler):

@@ -4,12 +4,10 @@ real engine (tiny models) behind it: chat template, reuse of stuffed context, st
 import asyncio
 
 import pytest
+from conftest import CORPUS
+from langchain_cacheclip import ChatCacheClip
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_tests.unit_tests import ChatModelUnitTests
-
-from langchain_cacheclip import ChatCacheClip
-
-from conftest import CORPUS
 
 QUESTION = "what is the code in the kitchen drawer?"
 

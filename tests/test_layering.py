@@ -1,9 +1,20 @@
-"""The module graph: no import cycles (function-level and type-checking imports included), the
-offline evaluation code imported by nothing that serves, and no private name of one module used
-from another.
+"""The module graph: layers in one direction, no import cycles, no private reach-ins.
+
+A module's layer is its folder (`cacheclip_rag/<layer>/...`); the package's top-level modules are
+the base (config, hardware, paths: what every layer shares) and the facade (the engine and the
+package's public names). Layers, lowest first:
+
+    base < models, storage < corpus < request < selectors < engine < offline < serving < eval < cli
+
+A module imports from its own layer or a lower one only. models and storage are peers that never
+import each other: a store holds bytes and knows no model. The request path (models, storage,
+corpus, request, selectors, the engine) therefore imports nothing of serving, offline or eval.
 
 The graph is read from the source with `ast`, so an import hidden inside a function or under
-`if TYPE_CHECKING:` counts like any other.
+`if TYPE_CHECKING:` counts like any other for the layers. For cycles, a type-only import (under
+`if TYPE_CHECKING:`) within one folder is left out: two types of one layer that name each other
+(a `Prepared` request carries its `Selector`, whose `plan` takes a `Prepared`) are not a cycle
+at run time; across folders it counts.
 """
 
 from __future__ import annotations
@@ -18,6 +29,11 @@ PACKAGES = {
     "langchain_cacheclip": ROOT / "integrations" / "langchain_cacheclip",
     "llama_index.llms.cacheclip": ROOT / "integrations" / "llama_index" / "llms" / "cacheclip",
 }
+RANK = {"base": 0, "models": 1, "storage": 1, "corpus": 2, "request": 3, "selectors": 4, "engine": 5, "offline": 6,
+        "serving": 7, "eval": 8, "cli": 9}
+BASE = {"config", "hardware", "paths"}
+FACADE = {"engine"}
+REQUEST_PATH = {"models", "storage", "corpus", "request", "selectors", "engine", "base"}
 
 
 def _modules() -> dict[str, Path]:
@@ -34,6 +50,18 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
+def layer(module: str) -> str | None:
+    """The layer of a module of cacheclip_rag (None for the kernels and the integrations)."""
+    parts = module.split(".")
+    if parts[0] != "cacheclip_rag":
+        return None
+    if len(parts) == 1 or parts[1] in FACADE:
+        return "engine"
+    if parts[1] in BASE:
+        return "base"
+    return parts[1]
+
+
 def _owner(name: str) -> str | None:
     """The project module an imported name belongs to (the longest known prefix), or None."""
     while name and name not in MODULES:
@@ -41,11 +69,29 @@ def _owner(name: str) -> str | None:
     return name or None
 
 
-def _imports(module: str, path: Path) -> list[tuple[str, list[str]]]:
-    """(imported module, names taken from it) for every import statement in the file."""
+def _type_only(tree: ast.AST) -> set[int]:
+    """ids of the import statements under `if TYPE_CHECKING:`."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return out
+
+
+def _imports(module: str, path: Path, runtime: bool = False) -> list[tuple[str, list[str]]]:
+    """(imported module, names taken from it) for every import statement in the file; runtime:
+    without the type-only imports of the module's own folder."""
     is_package = path.name == "__init__.py"
     out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    skip = _type_only(tree) if runtime else set()
+    folder = module.rpartition(".")[0] if not is_package else module
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            level = getattr(node, "level", 0)
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            if level == 1 or (not level and all(n.startswith(folder + ".") for n in names)):
+                continue
         if isinstance(node, ast.Import):
             out += [(alias.name, []) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -60,17 +106,17 @@ def _imports(module: str, path: Path) -> list[tuple[str, list[str]]]:
     return out
 
 
-def _is_project_import(module: str, path: Path, node: ast.AST, alias: ast.alias) -> bool:
+def _is_project_import(node: ast.AST, alias: ast.alias) -> bool:
     """Whether `alias` of an import statement names a module or object of this project."""
     if isinstance(node, ast.Import):
         return _owner(alias.name) is not None
     return node.level > 0 or _owner(node.module or "") is not None
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(runtime: bool = False) -> dict[str, set[str]]:
     graph = {}
     for module, path in MODULES.items():
-        deps = {_owner(target) for target, _ in _imports(module, path)}
+        deps = {_owner(target) for target, _ in _imports(module, path, runtime)}
         graph[module] = {d for d in deps if d is not None and d != module}
     return graph
 
@@ -110,23 +156,61 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_the_finder_sees_imports_inside_functions_and_type_checking_blocks(tmp_path):
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module of the same or a higher layer in another folder."""
+    bad = []
+    for module, deps in sorted(graph.items()):
+        here = layer(module)
+        for dep in sorted(deps):
+            there = layer(dep)
+            if here is not None and there is not None and there != here and RANK[there] >= RANK[here]:
+                bad.append(f"{module} ({here}) imports {dep} ({there})")
+    return bad
+
+
+def test_the_finder_sees_imports_inside_functions_and_type_checking_blocks():
     graph = _graph()
     # engine imports its stages at the top; the CLI imports most commands' modules inside functions.
-    assert "cacheclip_rag.prepare" in graph["cacheclip_rag.engine"]
+    assert "cacheclip_rag.request.prepare" in graph["cacheclip_rag.engine"]
     assert len(graph["cacheclip_rag.cli"]) >= 5
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_no_import_cycles():
-    assert _cycles(_graph()) == []
+def test_every_module_lives_in_a_known_layer():
+    layers = {layer(m) for m in MODULES} - {None}
+    assert layers <= set(RANK), f"folders without a rank: {sorted(layers - set(RANK))}"
+    top = sorted(m for m, path in MODULES.items() if path.parent == PACKAGES["cacheclip_rag"] and path.name != "__init__.py")
+    assert top == sorted(f"cacheclip_rag.{name}" for name in BASE | FACADE)
 
 
-def test_nothing_outside_eval_imports_eval():
+def test_the_layer_check_catches_an_upward_import():
+    graph = {"cacheclip_rag.storage.store": {"cacheclip_rag.models.loading"},
+             "cacheclip_rag.request.execute": {"cacheclip_rag.eval.ttft", "cacheclip_rag.storage.store"},
+             "cacheclip_rag.eval.ttft": {"cacheclip_rag.request.execute"}}
+    assert _upward(graph) == ["cacheclip_rag.request.execute (request) imports cacheclip_rag.eval.ttft (eval)",
+                              "cacheclip_rag.storage.store (storage) imports cacheclip_rag.models.loading (models)"]
+
+
+def test_imports_go_down_the_layers_only():
+    assert _upward(_graph()) == []
+
+
+def test_the_request_path_imports_no_serving_offline_or_eval_code():
     graph = _graph()
-    serving = [m for m in graph if not m.startswith("cacheclip_rag.eval") and not m.startswith("cacheclip_rag.cli")]
-    offenders = {m: sorted(d for d in graph[m] if d.startswith("cacheclip_rag.eval")) for m in serving}
+    above = {"serving", "offline", "eval", "cli"}
+    offenders = {m: sorted(d for d in deps if layer(d) in above) for m, deps in graph.items() if layer(m) in REQUEST_PATH}
     assert {m: d for m, d in offenders.items() if d} == {}
+
+
+def test_storage_imports_no_model_code():
+    graph = _graph()
+    model_code = {"models", "corpus", "request", "selectors"}
+    offenders = {m: sorted(d for d in deps if layer(d) in model_code) for m, deps in graph.items() if layer(m) == "storage"}
+    assert {m: d for m, d in offenders.items() if d} == {}
+
+
+def test_no_import_cycles():
+    assert _cycles(_graph(runtime=True)) == []
 
 
 def test_no_private_name_of_another_module_is_used():
@@ -139,7 +223,7 @@ def test_no_private_name_of_another_module_is_used():
             used += [f"{module} takes {owner}.{n}" for n in names if n.startswith("_") and not n.startswith("__")]
         tree = ast.parse(path.read_text())
         aliases = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
-                   for a in node.names if _is_project_import(module, path, node, a)}
+                   for a in node.names if _is_project_import(node, a)}
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
                     and isinstance(node.value, ast.Name) and node.value.id in aliases:

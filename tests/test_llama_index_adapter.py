@@ -4,11 +4,9 @@ import asyncio
 import threading
 
 import pytest
-from llama_index.core.llms import ChatMessage
-
-from llama_index.llms.cacheclip import CacheClipLLM
-
 from fakes import FakeEngine
+from llama_index.core.llms import ChatMessage
+from llama_index.llms.cacheclip import CacheClipLLM
 
 
 def test_complete_passes_options_and_returns_metadata():
@@ -67,8 +65,11 @@ def test_async_does_not_block_and_overlaps():
 @pytest.mark.real_model
 def test_vector_store_query_engine_reuses_chunks(real_engine):
     from llama_index.core import VectorStoreIndex
-
-    from llama_index.llms.cacheclip import CacheClipEmbedding, CacheClipQueryEngine, chunk_nodes
+    from llama_index.llms.cacheclip import (
+        CacheClipEmbedding,
+        CacheClipQueryEngine,
+        chunk_nodes,
+    )
 
     llm = CacheClipLLM(engine=real_engine, max_new_tokens=32)
     index = VectorStoreIndex(chunk_nodes(real_engine), embed_model=CacheClipEmbedding(real_engine))

@@ -7,7 +7,7 @@ import pytest
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
 from cacheclip_rag.cli import main
 from cacheclip_rag.eval import load
-from cacheclip_rag.server import BackgroundServer, create_app
+from cacheclip_rag.serving.server import BackgroundServer, create_app
 
 
 @pytest.fixture()
@@ -53,7 +53,7 @@ def test_load_bounds_and_addresses_are_checked():
 def test_each_load_question_retrieves_its_own_note(tmp_path):
     """The load's questions must reuse chunks the way a RAG workload does: each over its own
     note (a corpus whose questions all retrieve one note measures nothing about routing)."""
-    from cacheclip_rag.index import ChunkIndex
+    from cacheclip_rag.corpus.index import ChunkIndex
 
     pairs = load.corpus(32)
     index = ChunkIndex(tmp_path / "index")

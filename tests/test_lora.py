@@ -5,14 +5,15 @@ import json
 
 import pytest
 import torch
+from conftest import CORPUS, tiny_model
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
-from cacheclip_rag import lora
 from cacheclip_rag.cli import main
-from cacheclip_rag.packets import PacketAdapters
-from cacheclip_rag.train import LoraTrainConfig, examples, kl, train_lora
-
-from conftest import CORPUS, tiny_model
+from cacheclip_rag.corpus.packets import PacketAdapters
+from cacheclip_rag.models import lora
+from cacheclip_rag.offline.train_lora import LoraTrainConfig, train_lora
+from cacheclip_rag.offline.train_packets import kl
+from cacheclip_rag.offline.training import examples
 
 SMALL = dict(samples=3, held_out=2, epochs=2, length=96, chunk_tokens=32, answer_tokens=3, batch=1, rank=4, alpha=8,
              lr=5e-3, full_weight=0.3)
@@ -157,7 +158,7 @@ def test_the_shipped_lora_matches_its_pin_and_ships_its_own_profile():
     model is loaded); the tuned pair ships a profile calibrated for it."""
     from types import SimpleNamespace
 
-    from cacheclip_rag.profile import shipped
+    from cacheclip_rag.request.profile_source import shipped
 
     (base, (folder, sha)), = lora.SHIPPED.items()
     path = lora.resolve("shipped", SimpleNamespace(name=base))
@@ -172,7 +173,7 @@ def test_a_shipped_tuned_pair_without_its_own_profile_takes_its_base_pairs(tmp_p
     """The fallback for a shipped LoRA not yet calibrated: the base pair's profiles, marked so."""
     import shutil
 
-    from cacheclip_rag import profile
+    from cacheclip_rag.request import profile_source as profile
 
     (base, (_, sha)), = lora.SHIPPED.items()
     name = f"{base}+smollm2-135m-instruct.json"

@@ -2,16 +2,16 @@
 
 import pytest
 import torch
+from conftest import CORPUS
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
 from cacheclip_rag.config import StoreConfig
-from cacheclip_rag import packets as packet_lib
-from cacheclip_rag.execute import execute
-from cacheclip_rag.packets import PacketAdapters
-from cacheclip_rag.plan import get
-from cacheclip_rag.train import TrainConfig, save_adapters
-
-from conftest import CORPUS
+from cacheclip_rag.corpus import packets as packet_lib
+from cacheclip_rag.corpus.packets import PacketAdapters
+from cacheclip_rag.offline.train_packets import save_adapters
+from cacheclip_rag.offline.training import TrainConfig
+from cacheclip_rag.request.execute import execute
+from cacheclip_rag.request.selector import get
 
 QUESTION = "what is the code in the kitchen drawer?"
 
@@ -35,7 +35,7 @@ def eng(tiny_pair, adapter_file, tmp_path):
 
 def _logits(engine, mode, ratio=0.0, ids=None):
     prepared = engine.prepare(QUESTION, ids or engine.ids[:4], mode=mode, recompute_ratio=ratio, max_new_tokens=4)
-    return prepared, execute(prepared, get(mode), None).logits
+    return prepared, execute(prepared, None).logits
 
 
 def test_packet_layout_wraps_chunks_in_soft_rows(eng):

@@ -2,15 +2,20 @@
 
 import pytest
 import torch
+from conftest import CORPUS
 from transformers import DynamicCache
 
-from cacheclip_rag.assemble import rerotate
-from cacheclip_rag.encode import encode_prefix, tokenize
-from cacheclip_rag.packets import SOFT_TOKEN, PacketAdapters, packet_cache, student_logits
-from cacheclip_rag.packets import embed as packet_embed
-from cacheclip_rag.recompute import AssembledCache, recompute_rows
-
-from conftest import CORPUS
+from cacheclip_rag.corpus.encode import encode_prefix, tokenize
+from cacheclip_rag.corpus.packets import (
+    SOFT_TOKEN,
+    PacketAdapters,
+    packet_cache,
+    student_logits,
+)
+from cacheclip_rag.corpus.packets import embed as packet_embed
+from cacheclip_rag.models.rope import rerotate
+from cacheclip_rag.request.assemble import AssembledCache
+from cacheclip_rag.request.recompute import recompute_rows
 
 
 def _windowless(lm):

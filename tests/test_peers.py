@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cacheclip_rag.eval import peers
-from cacheclip_rag.models import DEFAULT_AUX, EMBEDDED, GEMMA3, gguf_path
+from cacheclip_rag.models.loading import DEFAULT_AUX, EMBEDDED, GEMMA3, gguf_path
 
 
 def test_a_folder_or_unknown_model_has_no_gguf(tmp_path):
@@ -41,7 +41,7 @@ def test_a_split_gguf_is_joined_once_and_a_damaged_join_is_redone(tmp_path, monk
 @pytest.mark.real_model
 def test_llama_cpp_prefills_the_same_model_to_the_same_first_token():
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is the optional `peers` extra")
-    from cacheclip_rag.models import load
+    from cacheclip_rag.models.loading import load
 
     aux = load(DEFAULT_AUX)
     ids = aux.tokenizer("Monday, Tuesday, Wednesday, Thursday, Friday, Saturday,")["input_ids"]

@@ -4,14 +4,13 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import CORPUS
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
 from cacheclip_rag.config import PipelineConfig
-from cacheclip_rag.pipeline import LayerFeeder
-from cacheclip_rag.recompute import AssembledCache
-from cacheclip_rag.assemble import assemble
-
-from conftest import CORPUS
+from cacheclip_rag.request.assemble import AssembledCache
+from cacheclip_rag.request.pipeline import assemble
+from cacheclip_rag.request.pipeline import LayerFeeder
 
 Q = "what is the code in the kitchen drawer?"
 

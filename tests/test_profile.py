@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from cacheclip_rag import profile
 from cacheclip_rag.config import SelectConfig
-from cacheclip_rag.profile import Profile
+from cacheclip_rag.request import profile_source
+from cacheclip_rag.storage import profiles
+from cacheclip_rag.storage.profiles import Profile
 
 
 def test_a_profile_round_trips_through_its_json_and_keeps_what_was_measured():
@@ -37,9 +38,9 @@ def test_a_bad_profile_is_refused_naming_the_field(bad, message):
 def test_a_stored_document_with_a_bad_profile_keeps_the_good_ones():
     good = Profile(primary="p", aux="a", aux_layers=(1,), lengths=(4096,))
     doc = {"profiles": [{"primary": "p", "aux": "a", "aux_layers": "last"}, good.to_dict()]}
-    assert profile.parse(doc) == [good]
-    assert profile.parse(None) == [] and profile.parse({"aux_layers": [1]}) == []  # a bare old profile without a pair
-    assert profile.parse(good.to_dict()) == [good]  # stores written before per-length profiles held one object
+    assert profiles.parse(doc) == [good]
+    assert profiles.parse(None) == [] and profiles.parse({"aux_layers": [1]}) == []  # a bare old profile without a pair
+    assert profiles.parse(good.to_dict()) == [good]  # stores written before per-length profiles held one object
 
 
 def test_merging_replaces_only_the_same_pair_at_the_same_lengths():
@@ -47,20 +48,20 @@ def test_merging_replaces_only_the_same_pair_at_the_same_lengths():
     a4k = Profile(primary="p", aux="a", aux_layers=(2,), lengths=(4096,))
     new2k = Profile(primary="p", aux="a", aux_layers=(3,), lengths=(2048,))
     other = Profile(primary="q", aux="a", aux_layers=(4,), lengths=(2048,))
-    assert profile.merged([a4k, a2k], new2k) == [new2k, a4k]
-    assert [p.aux_layers for p in profile.merged([a2k], other)] == [(1,), (4,)]
+    assert profiles.merged([a4k, a2k], new2k) == [new2k, a4k]
+    assert [p.aux_layers for p in profiles.merged([a2k], other)] == [(1,), (4,)]
 
 
 def test_resolve_fills_what_the_config_leaves_open():
     p = Profile(primary="p", aux="a", aux_layers=(5,), row_agg="max", context="joint")
-    cfg = profile.resolve(SelectConfig(head_agg="max"), p)
+    cfg = profile_source.resolve(SelectConfig(head_agg="max"), p)
     assert (cfg.score_layers, cfg.head_agg, cfg.row_agg, cfg.normalize, cfg.context) == ((5,), "max", "max", "none", "joint")
-    bare = profile.resolve(SelectConfig(), None)
+    bare = profile_source.resolve(SelectConfig(), None)
     assert (bare.score_layers, bare.head_agg, bare.context) == ((-1,), "mean", "chunk")
 
 
 def test_the_default_pair_ships_valid_profiles_and_other_pairs_none():
-    shipped = profile.shipped("qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct")
+    shipped = profile_source.shipped("qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct")
     assert shipped and all(p.source == "shipped" for p in shipped)
     assert [p.length for p in shipped] == sorted(p.length for p in shipped)
-    assert profile.shipped("/some/folder", "smollm2-135m-instruct") == []
+    assert profile_source.shipped("/some/folder", "smollm2-135m-instruct") == []

@@ -8,18 +8,17 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import CORPUS
 
 import cacheclip_rag.eval  # noqa: F401  (registers the bench variants)
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
-from cacheclip_rag.assemble import rerotate
 from cacheclip_rag.config import BaselineConfig
-from cacheclip_rag.plan import get
-from cacheclip_rag.record import ChunkKV
-from cacheclip_rag.select import attention_from_rows
-from cacheclip_rag.assemble import Layout, Segment
+from cacheclip_rag.models.rope import rerotate
+from cacheclip_rag.request.assemble import Layout, Segment
+from cacheclip_rag.request.selector import get
+from cacheclip_rag.selectors.primary_attention import attention_from_rows
 from cacheclip_rag.selectors.prophetkv import query_attention, top_words, word_ids
-
-from conftest import CORPUS
+from cacheclip_rag.storage.record import ChunkKV
 
 Q = "what is the code in the kitchen drawer?"
 

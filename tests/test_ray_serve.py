@@ -2,21 +2,19 @@
 2 CPUs, tiny models): answers equal to one process, one corpus across replicas, chunk-affinity
 routing, a killed replica, keys."""
 
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
-from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
-from cacheclip_rag.access import Keys
-from cacheclip_rag.config import ModelConfig
-
 from conftest import CORPUS
 
+from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
+from cacheclip_rag.config import ModelConfig
+from cacheclip_rag.serving.access import Keys
+
 ray = pytest.importorskip("ray", reason="ray[serve] is in the `ray` extra that `make test` installs")
-from cacheclip_rag import replicas  # noqa: E402  (needs ray at build time only)
+from cacheclip_rag.serving import replicas  # noqa: E402  (needs ray at build time only)
 
 PORT = 18765
 ASK, ADMIN = "ray-ask-key", "ray-admin-key"
@@ -183,7 +181,7 @@ def test_a_local_instance_is_quiet_unless_the_environment_says_otherwise():
 
 
 def test_the_affinity_policy_waits_for_the_holder_unless_queues_are_imbalanced():
-    from cacheclip_rag.routing import home, rank
+    from cacheclip_rag.serving.routing import home, rank
 
     held = {"a": {"c1", "c2"}, "b": {"c3"}, "c": set()}
     # balanced queues: only the replica holding most of the chunks is offered, so the request waits for it

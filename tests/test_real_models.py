@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
-from cacheclip_rag.demo import demo_documents
-from cacheclip_rag.encode import tokenize
-from cacheclip_rag.models import DEFAULT_AUX, DEFAULT_PRIMARY, load
-from cacheclip_rag.select import map_tokens
+from cacheclip_rag.cli.demo import demo_documents
+from cacheclip_rag.corpus.encode import tokenize
+from cacheclip_rag.models.loading import DEFAULT_AUX, DEFAULT_PRIMARY, load
+from cacheclip_rag.selectors.budget import map_tokens
 
 pytestmark = pytest.mark.real_model
 
@@ -71,7 +71,7 @@ def test_answer_in_one_chunk_with_cacheclip(pair, tmp_path):
 
 def test_shipped_packet_adapters_load_match_their_pin_and_serve(pair, tmp_path, monkeypatch):
     """A new store uses the shipped adapters with no training; a tampered copy is refused by name."""
-    from cacheclip_rag import packets
+    from cacheclip_rag.corpus import packets
 
     primary, aux = pair
     assert primary.name in packets.SHIPPED
@@ -104,7 +104,7 @@ def test_shipped_packet_adapters_load_match_their_pin_and_serve(pair, tmp_path, 
 
 @pytest.fixture(scope="module")
 def gemma():
-    from cacheclip_rag.models import GEMMA3
+    from cacheclip_rag.models.loading import GEMMA3
 
     return load(GEMMA3)
 
@@ -113,9 +113,10 @@ def test_gemma3_full_recompute_reproduces_its_prefill_past_the_window(gemma):
     """The oracle on the real model, on a request longer than its 512-token sliding window."""
     from transformers import DynamicCache
 
-    from cacheclip_rag.assemble import assemble, build_layout
-    from cacheclip_rag.encode import encode_prefix, encode_segment
-    from cacheclip_rag.recompute import recompute_rows
+    from cacheclip_rag.corpus.encode import encode_prefix, encode_segment
+    from cacheclip_rag.request.assemble import build_layout
+    from cacheclip_rag.request.pipeline import assemble
+    from cacheclip_rag.request.recompute import recompute_rows
 
     docs = demo_documents()
     texts = [d["text"] for d in docs]
@@ -158,14 +159,14 @@ def test_a_new_store_uses_the_shipped_calibrated_profile(pair, tmp_path):
     """Calibrated out of the box: no calibration run, the package's profile for the default pair."""
     import json
 
-    from cacheclip_rag.profile import SHIPPED_DIR
+    from cacheclip_rag.request.profile_source import SHIPPED_DIR
 
     primary, aux = pair
     engine = CacheClipEngine(primary, aux, tmp_path / "store", EngineConfig())
     shipped = json.loads((SHIPPED_DIR / f"{primary.name}+{aux.name}.json").read_text())["profiles"]
-    assert engine.store.read_profiles() == [] and all(p.source == "shipped" for p in engine.profiles)
-    assert [list(p.lengths) for p in engine.profiles] == sorted(p["lengths"] for p in shipped)
+    assert engine.store.read_profiles() == [] and all(p.source == "shipped" for p in engine.profiles.all())
+    assert [list(p.lengths) for p in engine.profiles.all()] == sorted(p["lengths"] for p in shipped)
     for profile in shipped:  # each request length takes the profile calibrated nearest it
         (length,) = profile["lengths"]
-        assert engine.select_config(n_tokens=length).score_layers == tuple(profile["aux_layers"])
-        assert engine.select_config(n_tokens=length).head_agg == profile["head_agg"]
+        assert engine.profiles.settings(length).score_layers == tuple(profile["aux_layers"])
+        assert engine.profiles.settings(length).head_agg == profile["head_agg"]

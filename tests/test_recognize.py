@@ -5,7 +5,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cacheclip_rag.recognize import ANCHOR, ChunkMatcher
+from cacheclip_rag.corpus.recognize import ANCHOR, ChunkMatcher
 
 ALPHABET = "abcde fgh.\n—é東0123"
 

@@ -3,13 +3,14 @@ zero recompute == direct reuse, RoPE re-rotation (per layer type), sliding windo
 
 import pytest
 import torch
+from conftest import CORPUS
 from transformers import DynamicCache
 
-from cacheclip_rag.assemble import assemble, build_layout, rerotate
-from cacheclip_rag.encode import encode_prefix, encode_segment, tokenize
-from cacheclip_rag.recompute import recompute_rows
-
-from conftest import CORPUS
+from cacheclip_rag.corpus.encode import encode_prefix, encode_segment, tokenize
+from cacheclip_rag.models.rope import rerotate
+from cacheclip_rag.request.assemble import build_layout
+from cacheclip_rag.request.pipeline import assemble
+from cacheclip_rag.request.recompute import recompute_rows
 
 TOL = dict(atol=2e-4, rtol=2e-4)
 
@@ -101,7 +102,7 @@ def test_rerotate_by_zero_and_back_is_identity(tiny_lm):
 def test_windows_matter_on_the_windowed_families(tiny_lm):
     """Guards the oracles on windowed families: the request is longer than the window, and
     attending without it would give other logits."""
-    from cacheclip_rag import recompute
+    from cacheclip_rag.request import recompute
 
     windows = {tiny_lm.family.window(i) for i in range(tiny_lm.num_layers)} - {None}
     if not windows:
@@ -139,7 +140,7 @@ def test_oracles_hold_in_bf16(tiny_lm, kind, monkeypatch):
 
     import cacheclip_kernels.blocked as blocked
 
-    from cacheclip_rag.models import wrap
+    from cacheclip_rag.models.loading import wrap
 
     monkeypatch.setattr(blocked, "DEFAULT_KIND", kind)
 

@@ -8,15 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CORPUS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
-from cacheclip_rag import caches as caches_mod
-from cacheclip_rag import models
+from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig  # noqa: E402
 from cacheclip_rag.cli import main as cli_main
-
-from conftest import CORPUS
+from cacheclip_rag.corpus import caches as caches_mod
+from cacheclip_rag.models import loading as models
 
 ROOT = Path(__file__).resolve().parent.parent
 Q = "what is the code in the kitchen drawer?"
@@ -115,7 +114,7 @@ def test_verify_and_repair_from_the_command_line(eng, tiny_pair, capsys, monkeyp
 
 
 def test_failed_write_raises_and_keeps_the_store(eng, monkeypatch):
-    from cacheclip_rag.backends import files as files_backend
+    from cacheclip_rag.storage.backends import files as files_backend
 
     def disk_full(tensors, path, metadata=None):
         raise OSError(28, "No space left on device")

@@ -3,7 +3,12 @@
 import pytest
 
 from cacheclip_rag import PromptConfig, RequestOptions
-from cacheclip_rag.request import REQUEST_OPTIONS, prompt_pieces, question_pieces, request_options
+from cacheclip_rag.request.options import (
+    REQUEST_OPTIONS,
+    prompt_pieces,
+    question_pieces,
+    request_options,
+)
 
 
 def test_options_are_normalized():
@@ -66,10 +71,10 @@ def test_every_way_in_takes_the_options_from_their_one_declaration():
     import dataclasses
     import inspect
 
-    from cacheclip_rag import frameworks, server
     from cacheclip_rag.cli import parser
     from cacheclip_rag.cli.common import request_options as cli_options
-    from cacheclip_rag.request import DEFAULTS
+    from cacheclip_rag.request.options import DEFAULTS
+    from cacheclip_rag.serving import frameworks, server
 
     names = [f.name for f in dataclasses.fields(RequestOptions)]
     body = server.Options.model_fields

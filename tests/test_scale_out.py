@@ -7,10 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import CORPUS
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
-
-from conftest import CORPUS
 
 WORKER = Path(__file__).with_name("redis_worker.py")
 

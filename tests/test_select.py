@@ -1,11 +1,16 @@
 """Top-k, sliding-window grouping and token mapping."""
 
 import torch
-
-from cacheclip_rag.select import group_window, group_windows, map_tokens, mean_over_layers, score_chunks_by_layer, top_k_candidates
-from cacheclip_rag.encode import encode_prefix, encode_segment, tokenize
-
 from conftest import CORPUS
+
+from cacheclip_rag.corpus.encode import encode_prefix, encode_segment, tokenize
+from cacheclip_rag.selectors.aux_scores import mean_over_layers, score_chunks_by_layer
+from cacheclip_rag.selectors.budget import (
+    group_window,
+    group_windows,
+    map_tokens,
+    top_k_candidates,
+)
 
 
 def _mask(n, idx):
@@ -131,7 +136,7 @@ def test_aux_scores_equal_a_full_prefills_attention_on_every_family(tiny_lm):
     """The aux pass reuses [prefix + chunk_i] and computes only the query rows: for each chunk,
     its scores must equal the attention of the query rows in a full prefill of
     [prefix + chunk_i + query] (sliding windows, RoPE per layer type and norms included)."""
-    from cacheclip_rag.select import attention_from_rows
+    from cacheclip_rag.selectors.primary_attention import attention_from_rows
 
     prefix = encode_prefix(tiny_lm, "System prompt.\n\n")
     texts = [CORPUS[1], CORPUS[3] + " " + CORPUS[0]]
@@ -152,8 +157,8 @@ def _from_full_prefill(lm, prefix, texts):
     """Chunk caches cut from one full prefill of [prefix + texts...], keys rotated back to
     [P, P + L_i) as if each chunk had been encoded alone: joint scoring over them re-rotates them
     to where they were, so it must reproduce the full prefill's attention exactly."""
-    from cacheclip_rag.assemble import rerotate
-    from cacheclip_rag.record import ChunkKV
+    from cacheclip_rag.models.rope import rerotate
+    from cacheclip_rag.storage.record import ChunkKV
 
     parts = [tokenize(lm, t)[0] for t in texts]
     ids = torch.cat([prefix.token_ids, *parts])
@@ -174,7 +179,8 @@ def test_joint_scores_equal_a_full_prefills_attention_on_every_family(tiny_lm):
     """Joint scoring reads every chunk at its assembled position: over caches that hold the
     cross-chunk context (cut from a full prefill) it must equal the attention of the query rows in a
     full prefill of [prefix + chunks + query], chunk columns in order."""
-    from cacheclip_rag.select import attention_from_rows, score_joint_by_layer
+    from cacheclip_rag.selectors.aux_scores import score_joint_by_layer
+    from cacheclip_rag.selectors.primary_attention import attention_from_rows
 
     prefix = encode_prefix(tiny_lm, "System prompt.\n\n")
     ids, chunks = _from_full_prefill(tiny_lm, prefix, [CORPUS[1], CORPUS[3], CORPUS[0]])
@@ -191,7 +197,7 @@ def test_joint_scores_equal_a_full_prefills_attention_on_every_family(tiny_lm):
 
 
 def test_joint_scoring_over_one_chunk_is_per_chunk_scoring(tiny_pair):
-    from cacheclip_rag.select import score_joint_by_layer
+    from cacheclip_rag.selectors.aux_scores import score_joint_by_layer
 
     _, aux = tiny_pair
     prefix = encode_prefix(aux, "System prompt.\n\n")

@@ -2,12 +2,13 @@
 
 import pytest
 import torch
-
-from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig, plan
-from cacheclip_rag.cli import main
-from cacheclip_rag.plan import Plan, Selector
-
 from conftest import CORPUS
+
+from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
+from cacheclip_rag.cli import main
+from cacheclip_rag.request import selector as registry
+from cacheclip_rag.request.plan import Plan
+from cacheclip_rag.request.selector import Selector
 
 
 class EveryOther(Selector):
@@ -21,17 +22,17 @@ class EveryOther(Selector):
 
 @pytest.fixture
 def toy():
-    selector = plan.register(EveryOther())
+    selector = registry.register(EveryOther())
     yield selector
-    plan.unregister(selector.name)
+    registry.unregister(selector.name)
 
 
 def test_builtin_modes_are_registered():
-    assert {"full", "reuse", "ape", "cacheblend", "epic", "random", "cacheclip"} <= set(plan.modes())
+    assert {"full", "reuse", "ape", "cacheblend", "epic", "random", "cacheclip"} <= set(registry.modes())
     with pytest.raises(ValueError, match="mode must be one of"):
-        plan.get("nope")
+        registry.get("nope")
     with pytest.raises(ValueError, match="mode name"):
-        plan.register(type("Bad", (Selector,), {"name": "has space"})())
+        registry.register(type("Bad", (Selector,), {"name": "has space"})())
 
 
 def test_a_registered_selector_runs_through_the_api(toy, tiny_pair, tmp_path):
@@ -87,14 +88,14 @@ class AuxMover(Selector):
 
 
 def test_an_aux_selector_that_moves_positions_is_refused(tiny_pair, tmp_path):
-    selector = plan.register(AuxMover())
+    selector = registry.register(AuxMover())
     try:
         with CacheClipEngine(*tiny_pair, tmp_path, EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4))) as engine:
             ids = engine.ingest(CORPUS, progress=False)[:3]
             with pytest.raises(ValueError, match="moves token positions"):
                 engine.answer("What is the code?", chunk_ids=ids, mode="aux-mover", recompute_ratio=0.5, max_new_tokens=2)
     finally:
-        plan.unregister(selector.name)
+        registry.unregister(selector.name)
 
 
 def test_joint_aux_context_runs_through_the_api_and_falls_back_when_too_long(tiny_pair, tmp_path, caplog):
@@ -110,7 +111,7 @@ def test_joint_aux_context_runs_through_the_api_and_falls_back_when_too_long(tin
         ask = dict(chunk_ids=ids, mode="cacheclip", recompute_ratio=0.3, max_new_tokens=2)
         joint = engine.answer("What is the code?", aux_context="joint", **ask)
         chunk = engine.answer("What is the code?", aux_context="chunk", **ask)
-        assert engine.select_config(context="joint").context == "joint" and engine.select_config().context == "chunk"
+        assert engine.profiles.settings(context="joint").context == "joint" and engine.profiles.settings().context == "chunk"
         assert 0.2 < joint.effective_fraction < 0.45 and 0.2 < chunk.effective_fraction < 0.45
         aux_config = engine.aux.lm.model.config
         saved = aux_config.max_position_embeddings
@@ -127,6 +128,6 @@ def test_joint_aux_context_runs_through_the_api_and_falls_back_when_too_long(tin
             aux_config.max_position_embeddings = saved
     with pytest.raises(ValueError, match="context must be one of"):
         SelectConfig(context="everything")
-    from cacheclip_rag.profile import resolve
+    from cacheclip_rag.request.profile_source import resolve
 
     assert resolve(SelectConfig(context="joint"), None).context == "joint"

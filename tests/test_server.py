@@ -8,12 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from conftest import CORPUS
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
-from cacheclip_rag.server import BackgroundServer as Server
-from cacheclip_rag.server import create_app
-
-from conftest import CORPUS
+from cacheclip_rag.serving.server import BackgroundServer as Server
+from cacheclip_rag.serving.server import create_app
 
 QUESTION = "What is the code in the kitchen drawer?"
 

@@ -5,11 +5,10 @@ import json
 import pytest
 import torch
 
-from cacheclip_rag import store as store_mod
-from cacheclip_rag.backends import files as files_backend
-from cacheclip_rag.chunking import Chunk
-from cacheclip_rag.record import ChunkKV
-from cacheclip_rag.store import KVStore
+from cacheclip_rag.storage import store as store_mod
+from cacheclip_rag.storage.backends import files as files_backend
+from cacheclip_rag.storage.record import Chunk, ChunkKV
+from cacheclip_rag.storage.store import KVStore
 
 NS = "ab" * 16
 

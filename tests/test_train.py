@@ -5,9 +5,9 @@ import torch
 
 from cacheclip_rag.cli import main
 from cacheclip_rag.config import ModelConfig
-from cacheclip_rag.models import load
-from cacheclip_rag.packets import load_adapters
-from cacheclip_rag.train import TrainConfig
+from cacheclip_rag.corpus.packets import load_adapters
+from cacheclip_rag.models.loading import load
+from cacheclip_rag.offline.training import TrainConfig
 
 
 @pytest.fixture
@@ -47,8 +47,8 @@ def test_train_packet_writes_adapters_that_load_and_serve(folder, tiny_pair, tmp
 
 
 def test_damaged_or_foreign_adapters_are_refused(folder, tmp_path, tiny_pair):
-    from cacheclip_rag.packets import PacketAdapters
-    from cacheclip_rag.train import save_adapters
+    from cacheclip_rag.corpus.packets import PacketAdapters
+    from cacheclip_rag.offline.train_packets import save_adapters
 
     lm = load(str(folder))
     path = tmp_path / "a.safetensors"
@@ -76,7 +76,7 @@ def test_bad_training_config_is_refused(field, value):
 
 def test_notes_requests_give_short_titled_documents_holding_both_hops(tiny_tokenizer):
     """`notes`: each note its own document, the two-hop question's facts among them; same seed, same request."""
-    from cacheclip_rag.traindata import make_request
+    from cacheclip_rag.offline.traindata import make_request
 
     a, b = make_request("notes", 200, 7, tiny_tokenizer), make_request("notes", 200, 7, tiny_tokenizer)
     assert a == b and len(a.documents) >= 5
@@ -89,7 +89,7 @@ def test_notes_requests_give_short_titled_documents_holding_both_hops(tiny_token
 
 def test_packet_training_keeps_its_mix_and_lora_adds_notes():
     """The shipped packet adapters were trained on needle/twohop/prose; the LoRA also reads notes."""
-    from cacheclip_rag.train import LoraTrainConfig
+    from cacheclip_rag.offline.train_lora import LoraTrainConfig
 
     assert TrainConfig().kinds == ("needle", "twohop", "prose")
     assert LoraTrainConfig().kinds[-1] == "notes"
@@ -102,9 +102,9 @@ def test_recompute_in_the_loop_trains_on_served_requests_and_lowers_the_loss(tin
     the parallel form with those rows recomputed, and a few epochs lower the held-out KL from
     where the given starting adapters were."""
     from cacheclip_rag.config import EngineConfig
+    from cacheclip_rag.corpus.packets import PacketAdapters
     from cacheclip_rag.engine import CacheClipEngine
-    from cacheclip_rag.packets import PacketAdapters
-    from cacheclip_rag.train import train
+    from cacheclip_rag.offline.train_packets import train
 
     primary, aux = tiny_pair
     cfg = TrainConfig(samples=3, held_out=2, epochs=3, length=120, chunk_tokens=40, answer_tokens=3, batch=1,
@@ -124,7 +124,7 @@ def test_served_examples_carry_the_engines_picks(tiny_pair, tmp_path):
     the engine's, and the picked rows are the cacheclip plan's at the ratio (more at a higher one)."""
     from cacheclip_rag.config import EngineConfig
     from cacheclip_rag.engine import CacheClipEngine
-    from cacheclip_rag.train import served_example
+    from cacheclip_rag.offline.training import served_example
 
     primary, aux = tiny_pair
     with CacheClipEngine(primary, aux, tmp_path / "scratch", EngineConfig(packets=None)) as engine:
@@ -138,7 +138,7 @@ def test_served_examples_carry_the_engines_picks(tiny_pair, tmp_path):
 
 
 def test_recompute_in_the_loop_is_for_packets_only():
-    from cacheclip_rag.train import LoraTrainConfig
+    from cacheclip_rag.offline.train_lora import LoraTrainConfig
 
     with pytest.raises(ValueError, match="recompute"):
         TrainConfig(recompute=1.5)
@@ -147,8 +147,8 @@ def test_recompute_in_the_loop_is_for_packets_only():
 
 
 def test_cli_trains_with_recompute_from_given_adapters(folder, tiny_pair, tmp_path, capsys):
-    from cacheclip_rag.packets import PacketAdapters
-    from cacheclip_rag.train import save_adapters
+    from cacheclip_rag.corpus.packets import PacketAdapters
+    from cacheclip_rag.offline.train_packets import save_adapters
 
     _, aux = tiny_pair
     aux_folder = tmp_path / "aux"

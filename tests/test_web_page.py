@@ -7,12 +7,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
-from cacheclip_rag.server import create_app
-
 from conftest import CORPUS
 from test_server import Server
+
+from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
+from cacheclip_rag.serving.server import create_app
 
 QUESTION = "What is the code in the kitchen drawer?"
 
@@ -83,7 +82,7 @@ def test_the_page_asks_for_the_key_once_on_a_guarded_server(tiny_pair, tmp_path)
     from selenium.webdriver.support import expected_conditions as ready
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from cacheclip_rag.access import Keys
+    from cacheclip_rag.serving.access import Keys
 
     engine = CacheClipEngine(*tiny_pair, tmp_path / "store", EngineConfig(
         chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4), top_k=3, packets=None))

@@ -20,7 +20,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import CORPUS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,7 +27,7 @@ SOURCE_ROOTS = ("src", "kernels", "integrations")
 """Folders whose .py files are the package's modules; each file's wheel path is its path below
 the folder (src/cacheclip_rag/x.py -> cacheclip_rag/x.py)."""
 
-DATA = ["cacheclip_rag/web/index.html", "cacheclip_rag/data/demo_corpus.jsonl",
+DATA = ["cacheclip_rag/serving/web/index.html", "cacheclip_rag/data/demo_corpus.jsonl",
         "cacheclip_rag/data/profiles/qwen2.5-coder-0.5b-instruct+smollm2-135m-instruct.json",
         "cacheclip_rag/data/packets/qwen2.5-coder-0.5b-instruct.safetensors",
         "cacheclip_rag/data/lora/qwen2.5-coder-0.5b-instruct-lora/adapter_model.safetensors"]

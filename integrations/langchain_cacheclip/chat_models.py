@@ -4,7 +4,7 @@ Messages go through the primary model's chat template (`CacheClipEngine.chat`): 
 texts found in any message's content are reused from their caches (so a chain that stuffs
 retrieved documents into a system or human message gets reuse), and a conversation holding none
 is answered from the engine's own retrieval for its last message. Per-call options: any of
-`cacheclip_rag.request.REQUEST_OPTIONS`.
+`cacheclip_rag.request.options.REQUEST_OPTIONS`.
 """
 
 from __future__ import annotations
@@ -12,14 +12,23 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForLLMRun,
+    CallbackManagerForLLMRun,
+)
 from langchain_core.language_models.chat_models import BaseChatModel
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    HumanMessage,
+    SystemMessage,
+)
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables.config import run_in_executor
 
-from cacheclip_rag.frameworks import EngineLLMFields, apieces
+from cacheclip_rag.serving.frameworks import EngineLLMFields, apieces
 
 _ROLES = ((SystemMessage, "system"), (HumanMessage, "user"), (AIMessage, "assistant"))
 
@@ -42,7 +51,7 @@ def _usage(answer) -> UsageMetadata:
 
 class ChatCacheClip(EngineLLMFields, BaseChatModel):
     """A LangChain chat model that answers from reused chunk KV caches (CacheClip). Fields and
-    `from_pretrained`: `cacheclip_rag.frameworks.EngineLLMFields`.
+    `from_pretrained`: `cacheclip_rag.serving.frameworks.EngineLLMFields`.
 
     Example:
         chat = ChatCacheClip.from_pretrained(store_dir="store")

@@ -3,7 +3,7 @@
 LangChain hands an LLM only the final prompt string. The engine finds the stored chunk texts in
 it and reuses their caches (any prompt template works); a prompt with no stored chunk is taken as
 a bare question and answered from the engine's own top-k retrieval, so one object can be a whole
-RAG pipeline. Per-call options: any of `cacheclip_rag.request.REQUEST_OPTIONS` (`recompute_ratio`,
+RAG pipeline. Per-call options: any of `cacheclip_rag.request.options.REQUEST_OPTIONS` (`recompute_ratio`,
 `mode`, `chunk_ids`, `k`, `budget`, `score_layers`, ...).
 """
 
@@ -12,17 +12,20 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForLLMRun,
+    CallbackManagerForLLMRun,
+)
 from langchain_core.language_models.llms import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.runnables.config import run_in_executor
 
-from cacheclip_rag.frameworks import EngineLLMFields, apieces
+from cacheclip_rag.serving.frameworks import EngineLLMFields, apieces
 
 
 class CacheClipLLM(EngineLLMFields, BaseLLM):
     """A LangChain LLM that answers from reused chunk KV caches (CacheClip). Fields and
-    `from_pretrained`: `cacheclip_rag.frameworks.EngineLLMFields`.
+    `from_pretrained`: `cacheclip_rag.serving.frameworks.EngineLLMFields`.
 
     Example:
         llm = CacheClipLLM.from_pretrained(store_dir="store")

@@ -1,10 +1,17 @@
 """cacheclip-rag: RAG that reuses precomputed chunk KV caches and recomputes only what matters."""
 
-from .config import ChunkConfig, EngineConfig, ModelConfig, PromptConfig, SelectConfig, StoreConfig
-from .answer import Answer, AnswerStream
+from .config import (
+    ChunkConfig,
+    EngineConfig,
+    ModelConfig,
+    PromptConfig,
+    SelectConfig,
+    StoreConfig,
+)
 from .engine import CacheClipEngine
-from .models import DEFAULT_AUX, DEFAULT_PRIMARY
-from .request import RequestOptions
+from .models.loading import DEFAULT_AUX, DEFAULT_PRIMARY
+from .request.answer import Answer, AnswerStream
+from .request.options import RequestOptions
 
 __all__ = [
     "Answer",

@@ -1,7 +1,8 @@
 """The engine: a thin facade over the stages of a request and the offline ingest.
 
-    prepare (prepare.py) -> plan (a Selector, plan.py / selectors/) -> execute (execute.py)
-        -> decode (answer.py) -> Answer
+    request/prepare.py (Prepared, its selector looked up once) -> request/execute.py (the
+    selector's Plan, the cache assembled and recomputed: Executed) -> request/answer.py
+    (decode.py's tokens, then the Answer)
 
 The engine holds only long-lived things (models with their prompt frames, the store, the chunk
 index, the prompt matcher, one aux worker thread). Everything about one request lives in the
@@ -16,22 +17,21 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from . import lora
-from . import models as model_lib
-from . import packets as packet_lib
-from . import plan as plan_lib
-from . import profile as profile_lib
 from . import selectors  # noqa: F401  (registers the built-in methods)
-from .answer import Answer, AnswerStream
-from .caches import ChunkCaches
-from .config import EngineConfig, SelectConfig
-from .index import ChunkIndex
-from .ingest import Ingestor
-from .models import LoadedModel
-from .prepare import Prepared, Preparer
-from .profile import Profile
-from .recognize import ChunkMatcher
-from .store import open_store
+from .config import EngineConfig
+from .corpus import packets as packet_lib
+from .corpus.caches import ChunkCaches
+from .corpus.index import ChunkIndex
+from .corpus.ingest import Ingestor
+from .corpus.recognize import ChunkMatcher
+from .models import loading as model_lib
+from .models import lora
+from .models.loading import LoadedModel
+from .request.profile_source import ProfileSource
+from .request import selector as registry
+from .request.answer import Answer, AnswerStream
+from .request.prepare import Prepared, Preparer
+from .storage.store import open_store
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,11 @@ class CacheClipEngine:
         self.matcher = ChunkMatcher()
         self._ingestor = Ingestor(self.store, self.index, self.matcher, [self.primary, self.aux], self.config.chunk,
                                   packets=self.packets)
-        self._preparer = Preparer(self.store, self.matcher, self.primary, self.aux, self.config, self.retrieve,
-                                  self.select_config, packets=self.packets, catch_up=self._ingestor.catch_up)
+        self.profiles = ProfileSource(self.store, primary, aux, self.config.select)
+        """The pair's calibrated profiles (the store's, else the shipped ones), read once: what
+        selection settings a request of some length takes (`profiles.settings(n_tokens)`)."""
+        self._preparer = Preparer(self.store, self._ingestor, self.primary, self.aux, self.config, self.profiles,
+                                  packets=self.packets)
         # One worker runs aux selection beside the primary loading (CacheClip's CPU/GPU split).
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheclip-aux")
         self._ingestor.open_corpus()
@@ -128,19 +131,7 @@ class CacheClipEngine:
 
     def retrieve(self, question: str, k: int | None = None) -> list[tuple[str, float]]:
         """Top-k chunk ids for a question from the chunk index, with cosine scores."""
-        k = self.config.top_k if k is None else k
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 1024:
-            raise ValueError(f"k must be an integer in [1, 1024], got {k!r}")
-        self._ingestor.catch_up()  # chunks another process ingested into a shared store
-        if len(self.index) == 0:
-            raise ValueError("empty corpus: ingest documents before asking questions")
-        hits = self.index.search(question, k)
-        live = [(cid, score) for cid, score in hits if self.store.get_chunk(cid) is not None]
-        if len(live) < len(hits):
-            log.warning("chunk index holds %d ids whose texts are gone from the store; skipped", len(hits) - len(live))
-        if not live:
-            raise ValueError("no retrievable chunk: the index entries found have no text in the store (run `cacheclip store repair`)")
-        return live
+        return self._preparer.retrieve(question, k)
 
     def chunk_texts(self, chunk_ids: list[str]) -> list[tuple[str, str]]:
         """[(id, text)] of stored chunks, in the given order; an unknown id is a ValueError."""
@@ -159,13 +150,13 @@ class CacheClipEngine:
 
     def run(self, prepared: Prepared) -> AnswerStream:
         """Run a prepared request (once): stream its text; `.answer` is set at the end."""
-        return AnswerStream(prepared, plan_lib.get(prepared.request.mode), self._pool)
+        return AnswerStream(prepared, self._pool)
 
     def answer(self, question: str, chunk_ids: list[str] | None = None, **kwargs) -> Answer:
         """Answer a question from the given chunks (their order kept) or the top-k retrieved.
 
         kwargs: k (chunks to retrieve when chunk_ids is None), and the per-request options of
-        `cacheclip_rag.request.RequestOptions`: mode (any registered selector: `modes()`),
+        `cacheclip_rag.request.options.RequestOptions`: mode (any registered selector: `modes()`),
         recompute_ratio, max_new_tokens, temperature, stop, epic_tokens, seed, budget ("keep",
         the default, or "paper"), score_layers. An unknown or invalid option is a ValueError.
         """
@@ -230,38 +221,4 @@ class CacheClipEngine:
     @staticmethod
     def modes() -> tuple[str, ...]:
         """Every mode a request may name: the registered selectors."""
-        return plan_lib.modes()
-
-    # ----- selection settings ---------------------------------------------------------------
-
-    @property
-    def score_layers(self) -> tuple[int, ...]:
-        """Aux scoring layers at the shortest calibrated length: the config's, else the calibrated
-        profile of this pair, else the last."""
-        return self.select_config().score_layers
-
-    def select_config(self, score_layers: tuple[int, ...] | None = None, context: str | None = None,
-                      n_tokens: int | None = None) -> SelectConfig:
-        """The selection config a request of n_tokens runs with, every scoring field set:
-        `score_layers` and `context` (a request's), else the engine config's fields, else those
-        of the calibrated profile nearest n_tokens (read from the store now), else defaults."""
-        cfg = profile_lib.resolve(self.config.select, self.profile_for(n_tokens))
-        cfg = dataclasses.replace(cfg, score_layers=score_layers) if score_layers else cfg
-        return dataclasses.replace(cfg, context=context) if context else cfg
-
-    @property
-    def profiles(self) -> list[Profile]:
-        """The calibrated model-pair profiles, one per calibration length, shortest first: the
-        store's, if it holds any for these models, else those the package ships for the default
-        pair (so a new store is calibrated out of the box)."""
-        stored = self.store.read_profiles(self.primary.lm.fingerprint, self.aux.lm.fingerprint)
-        return stored or profile_lib.shipped(self.primary.lm.name, self.aux.lm.name)
-
-    def profile_for(self, n_tokens: int | None = None) -> Profile | None:
-        """The profile a request of n_tokens uses (calibrated nearest its length), or None."""
-        return profile_lib.nearest(self.profiles, n_tokens)
-
-    @property
-    def profile(self) -> Profile | None:
-        """The profile at the shortest calibrated length (`profile_for` picks by length)."""
-        return self.profile_for(None)
+        return registry.modes()

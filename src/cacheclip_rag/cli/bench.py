@@ -5,13 +5,13 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from .. import plan
 from ..config import AUTO, ChunkConfig
 from ..eval import oracle  # noqa: F401  (registers the analysis-only oracle mode for bench and ask)
 from ..hardware import describe as describe_cpu
 from ..paths import cache_dir
-from ..request import ratio_arg
-from .common import add_common, engine_from_args, progress_bar
+from ..request import selector as registry
+from ..request.options import ratio_arg
+from .common import add_common, add_dtype, engine_from_args, progress_bar
 
 
 def _mode_list(modes: list[str], ratios: list) -> list[tuple[str, float | str]]:
@@ -21,10 +21,10 @@ def _mode_list(modes: list[str], ratios: list) -> list[tuple[str, float | str]]:
 
     out = []
     for mode in modes:
-        if mode not in (*plan.modes(), *BENCH_MODES):
-            raise ValueError(f"mode must be one of {[*plan.modes(), *BENCH_MODES]}, got {mode!r}")
-        fixed = plan.get(mode).fixed_ratio if mode not in BENCH_MODES else None
-        adaptive = mode in BENCH_MODES or plan.get(mode).adaptive
+        if mode not in (*registry.modes(), *BENCH_MODES):
+            raise ValueError(f"mode must be one of {[*registry.modes(), *BENCH_MODES]}, got {mode!r}")
+        fixed = registry.get(mode).fixed_ratio if mode not in BENCH_MODES else None
+        adaptive = mode in BENCH_MODES or registry.get(mode).adaptive
         if fixed is not None:
             out.append((mode, fixed))
         elif not adaptive and all(r == AUTO for r in ratios):
@@ -34,49 +34,47 @@ def _mode_list(modes: list[str], ratios: list) -> list[tuple[str, float | str]]:
     return out
 
 
-def cmd_bench(args) -> int:
+def _header(args) -> None:
     print(f"{describe_cpu()}; compute dtype {args.dtype}")
-    if args.what != "niah" and args.from_json:
-        raise ValueError(f"--from applies to `bench niah`, not `bench {args.what}`")
-    if args.what not in ("niah", "fidelity", "deviation") and args.versus:
-        raise ValueError(f"--versus applies to `bench niah`, `fidelity` and `deviation`, not `bench {args.what}`")
-    if args.frontier and args.what not in ("niah", "fidelity"):
-        raise ValueError(f"--frontier applies to `bench niah` and `bench fidelity`, not `bench {args.what}`")
-    args.ratios = args.ratios or (FRONTIER_RATIOS if args.frontier else [0.2])
-    if args.what == "alignment":
-        from ..eval import alignment
-        from ..models import load
 
-        rows = alignment.run(load(args.primary), load(args.aux), args.lengths, samples=args.samples, seed=args.seed + 10_000)
-        print(alignment.table(rows))
-        if args.json:
-            alignment.write_json(rows, args.json)
-        return 0
-    if args.what == "niah":
-        return _bench_niah(args)
-    if args.what == "load":
-        return _bench_load(args)
-    if args.what == "fidelity":
-        return _bench_fidelity(args)
-    if args.what == "deviation":
-        return _bench_deviation(args)
-    if args.what == "http":
-        from ..eval import http
 
-        engine = engine_from_args(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
-        rows = http.run(engine, args.lengths, _mode_list(args.modes or ["cacheclip"], args.ratios), runs=args.runs,
-                        max_new_tokens=min(args.max_new_tokens, 16))
-        print(http.table(rows))
-        if args.json:
-            http.write_json(rows, args.json)
-        return 0
+def _bench_alignment(args) -> int:
+    """Aux against primary attention over the same chunks, in character space."""
+    from ..eval import alignment
+    from ..models.loading import load
+
+    _header(args)
+    rows = alignment.run(load(args.primary), load(args.aux), args.lengths, samples=args.samples, seed=args.seed + 10_000)
+    print(alignment.table(rows))
+    if args.json:
+        alignment.write_json(rows, args.json)
+    return 0
+
+
+def _bench_http(args) -> int:
+    """TTFT through `cacheclip serve` against the engine's own, same requests."""
+    from ..eval import http
+
+    _header(args)
+    engine = _engine(args)
+    rows = http.run(engine, args.lengths, _mode_list(args.modes or ["cacheclip"], args.ratios or [0.2]),
+                    runs=args.runs, max_new_tokens=min(args.max_new_tokens, 16))
+    print(http.table(rows))
+    if args.json:
+        http.write_json(rows, args.json)
+    return 0
+
+
+def _bench_ttft(args) -> int:
+    """Every mode's TTFT on the same requests, alternated run by run (and llama.cpp as a peer)."""
     from ..eval import ttft
-    from ..recompute import attention_path
+    from ..request.recompute import attention_path
 
-    engine = engine_from_args(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
+    _header(args)
+    engine = _engine(args)
     peers = _open_peers(args.peer or [], args.primary, max(args.lengths) + 512)
     try:
-        modes = _mode_list(args.modes or ["full", "reuse", "cacheclip"], args.ratios)
+        modes = _mode_list(args.modes or ["full", "reuse", "cacheclip"], args.ratios or [0.2])
         step = progress_bar(ttft.requests(args.lengths, modes, args.runs, peers), "ttft", "request")
         rows = ttft.run(engine, args.lengths, modes, runs=args.runs, max_new_tokens=args.max_new_tokens,
                         budget=args.budget, peers=peers, progress=step)
@@ -97,6 +95,38 @@ def cmd_bench(args) -> int:
     stats = engine.store.stats
     print(f"store memory tier: {stats.memory_hits} hits, {stats.disk_hits} disk reads, {stats.misses} misses")
     return 0
+
+
+def _bench_schedules(args) -> int:
+    """One cacheclip request under three schedules of its stages, cold, alternated."""
+    from ..eval import schedules
+
+    _header(args)
+    engine = _engine(args)
+    step = progress_bar(args.runs * len(schedules.SCHEDULES), "schedules", "request")
+    rows = schedules.run(engine, args.length, runs=args.runs, ratio=args.ratio, progress=step)
+    print(f"{args.length} tokens, cacheclip@{args.ratio}, {args.runs} cold runs per schedule, medians (s)")
+    print(schedules.table(rows))
+    if args.json:
+        schedules.write_json(rows, args.json, describe_cpu())
+    return 0
+
+
+def _bench_recompute_profile(args) -> int:
+    """torch.profiler's operators of one request's selective recompute, beside a full prefill."""
+    from ..eval import recompute_profile
+
+    _header(args)
+    engine = _engine(args)
+    result = recompute_profile.run(engine, args.length, ratio=args.ratio, full=not args.no_full)
+    print(recompute_profile.report(result))
+    if args.json:
+        recompute_profile.write_json(result, args.json, describe_cpu())
+    return 0
+
+
+def _engine(args):
+    return engine_from_args(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
 
 
 def _open_peers(kinds: list[str], primary: str, n_ctx: int) -> dict:
@@ -120,9 +150,10 @@ def _bench_load(args) -> int:
     """K users against a running server; the table, and JSON with every request's outcome."""
     import asyncio
 
-    from ..access import Keys
     from ..eval import load
+    from ..serving.access import Keys
 
+    _header(args)
     cfg = load.LoadConfig(users=args.users, seconds=args.duration, requests=args.requests,
                           mix=load.parse_mix(args.mix), pool=args.pool, documents=args.documents,
                           context=args.context, max_tokens=min(args.max_new_tokens, 64), seed=args.seed)
@@ -158,7 +189,7 @@ def _print_versus(args, results: list, rows: list[dict], metric: str, title: str
 
 def progress(args):
     """The progress bar over the needle-suite samples a bench runs (minutes each at 4K on a CPU)."""
-    from ..niah import VARIANTS
+    from ..offline.niah import VARIANTS
 
     return progress_bar(len(args.lengths) * len(args.variants or VARIANTS) * args.samples, "samples", "sample")
 
@@ -168,10 +199,12 @@ def _bench_deviation(args) -> int:
     rows chosen by deviation against rows chosen by attention."""
     from ..eval import deviation, fidelity
 
+    _header(args)
+    args.ratios = args.ratios or [0.2]
     modes = [m for m in dict.fromkeys(args.modes or []) if m not in ("full", "oracle")]  # oracle: always replayed
-    if unknown := [m for m in modes if m not in plan.modes()]:
-        raise ValueError(f"bench deviation replays serving modes {list(plan.modes())}; got {unknown!r}")
-    engine = engine_from_args(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
+    if unknown := [m for m in modes if m not in registry.modes()]:
+        raise ValueError(f"bench deviation replays serving modes {list(registry.modes())}; got {unknown!r}")
+    engine = _engine(args)
     deviations, results = deviation.run(engine, args.ratios, variants=args.variants, lengths=args.lengths,
                                         samples=args.samples, seed=args.seed, answer_tokens=args.max_new_tokens,
                                         budget=args.budget, progress=progress(args), packets=args.packets,
@@ -200,7 +233,9 @@ def _bench_fidelity(args) -> int:
     """Teacher-force full attention's answer through each mode's recomputed rows; print the tables."""
     from ..eval import fidelity
 
-    engine = engine_from_args(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
+    _header(args)
+    args.ratios = args.ratios or (FRONTIER_RATIOS if args.frontier else [0.2])
+    engine = _engine(args)
     default = FIDELITY_FRONTIER_MODES if args.frontier else ["reuse", "random", "epic", "cacheclip-paper", "cacheclip",
                                                              "oracle"]
     modes = _mode_list(args.modes or default, args.ratios)
@@ -223,10 +258,12 @@ def _bench_niah(args) -> int:
     """Run the needle suite, or pool saved runs (--from), and print the tables."""
     from ..eval import needle
 
+    _header(args)
+    args.ratios = args.ratios or (FRONTIER_RATIOS if args.frontier else [0.2])
     if args.from_json:
         results = needle.load(args.from_json)
     else:
-        engine = engine_from_args(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
+        engine = _engine(args)
         default = FRONTIER_MODES if args.frontier else ["full", "reuse", "ape", "cacheblend", "epic", "random", "cacheclip"]
         modes = _mode_list(args.modes or default, args.ratios)
         results = needle.run(engine, modes, variants=args.variants, lengths=args.lengths, samples=args.samples,
@@ -288,62 +325,152 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def add_commands(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: niah (needle suite), fidelity (KL to full attention), deviation "
-                       "(reused vs full K/V, and selecting by it), ttft, alignment")
+def _engine_flags(p) -> None:
     add_common(p, store_default=str(cache_dir() / "bench-store"))
-    p.add_argument("what", choices=["niah", "fidelity", "deviation", "ttft", "alignment", "http", "load"],
-                   help="http: TTFT through `cacheclip serve` against the engine's own, same requests; load: K "
-                        "concurrent users against a running server (--url), bounded in time and requests")
-    p.add_argument("--lengths", type=int, nargs="+", default=[2048], help="context lengths in primary tokens")
-    p.add_argument("--modes", nargs="+", default=None, help=f"modes to compare (from {list(plan.modes())}, and cacheclip-paper: last aux layer, paper rule; cacheclip-joint: "
-                   "the aux query reads all chunks at once; cacheclip-chunk: it reads each chunk alone); "
-                   "full is always run")
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--score-layers", type=int, nargs="+", default=None, help="aux scoring layers (default: profile or last)")
+
+
+def _mode_flags(p, default: str, ratios: str = "default 0.2") -> None:
+    p.add_argument("--modes", nargs="+", default=None,
+                   help=f"modes to compare (registered: {list(registry.modes())}; and cacheclip-paper: last aux "
+                        f"layer, paper rule; cacheclip-joint / cacheclip-chunk: the aux query reads all chunks at "
+                        f"once / each alone); default {default}")
     p.add_argument("--ratios", type=ratio_arg, nargs="+", default=None,
-                   help="recompute ratios for ratio modes (auto: the selector decides per request; cacheclip); "
-                        "default 0.2, with --frontier 0.1 0.2 0.3 0.4")
-    p.add_argument("--frontier", action="store_true",
-                   help="niah and fidelity: every mode over the ratios, placed at its measured TTFT / full; prints "
-                        "each mode's score (fidelity: KL to full attention) at --budget-ttft and the Pareto frontier "
-                        "(plot with --plot)")
-    p.add_argument("--budget-ttft", type=float, default=0.25, help="the TTFT / full budget the frontier is read at")
-    p.add_argument("--variants", nargs="+", default=None, help="needle variants (default: all eight)")
+                   help=f"recompute ratios of the ratio modes (auto: the selector decides per request); {ratios}")
     p.add_argument("--budget", choices=["paper", "keep"], default="keep",
                    help="selection budget rule of cacheclip and oracle (keep: compare at equal effective fractions)")
-    p.add_argument("--score-layers", type=int, nargs="+", default=None, help="aux scoring layers (default: profile or last)")
+
+
+def _suite_flags(p, lengths: list[int] = (2048,)) -> None:
+    p.add_argument("--lengths", type=int, nargs="+", default=list(lengths), help="context lengths in primary tokens")
+    p.add_argument("--variants", nargs="+", default=None, help="needle variants (default: all eight)")
     p.add_argument("--samples", type=int, default=5, help="samples per variant and length")
-    p.add_argument("--runs", type=int, default=5, help="ttft: runs per mode")
-    p.add_argument("--peer", action="append", choices=["llamacpp"], default=None,
-                   help="ttft: a peer row, timed in the same alternation: llamacpp, llama.cpp's full prefill of the "
-                        "GGUF the primary was converted from (optional `peers` extra)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chunk-tokens", type=int, default=256)
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated (fidelity: answer tokens compared)")
-    p.add_argument("--packets", action="store_true",
-                   help="deviation: measure the KV Packet caches (against a full prefill of the wrapped sequence)")
-    p.add_argument("--json", default=None, help="write results as JSON here")
-    p.add_argument("--plot", default=None, help="write PNGs next to this path (niah: -quality, -ttft; ttft: -breakdown, -ratio)")
-    p.add_argument("--from", dest="from_json", nargs="+", default=None, metavar="JSON",
-                   help="niah: pool these saved runs (disjoint seeds, or other modes on the same samples) instead of running; "
-                        "TAG=JSON puts a run under a tag (tuned=run.json: rows tuned/full, ...)")
+
+
+def _versus_flag(p, default: str) -> None:
     p.add_argument("--versus", nargs="+", default=None, metavar="LABEL",
-                   help="niah, fidelity, deviation: compare these rows (e.g. cacheclip@0.2) with every other, sample "
-                        "by sample (default: the cacheclip rows; deviation: the oracle rows)")
-    load = p.add_argument_group("bench load")
-    load.add_argument("--url", default="http://127.0.0.1:8000", help="the server (this machine only)")
-    load.add_argument("--users", type=int, default=4, help="concurrent users, one request at a time each")
-    load.add_argument("--duration", type=float, default=60.0, help="seconds at most")
-    load.add_argument("--requests", type=int, default=200, help="requests at most, over all users")
-    load.add_argument("--mix", default="chat=0.5,retrieve=0.4,ingest=0.1",
-                      help="weights of the request kinds: chat (stored chunk text in the message), retrieve, ingest")
-    load.add_argument("--pool", type=int, default=8, help="distinct questions (their chunks repeat across requests)")
-    load.add_argument("--context", type=int, default=2,
-                      help="chunks per question (stuffed into chat requests, retrieved for bare questions)")
-    load.add_argument("--documents", type=int, default=24, help="generated notes ingested first, one chunk each")
-    load.add_argument("--api-key", default=None, help="the server's API key (default $CACHECLIP_API_KEY)")
-    load.add_argument("--admin-key", default=None, help="the server's admin key, for ingests (default $CACHECLIP_ADMIN_KEY)")
-    load.add_argument("--no-seed", action="store_true", help="do not ingest the generated notes first")
-    p.set_defaults(func=cmd_bench)
+                   help=f"compare these rows (e.g. cacheclip@0.2) with every other, sample by sample (default: {default})")
+
+
+def _frontier_flags(p) -> None:
+    p.add_argument("--frontier", action="store_true",
+                   help="every mode over the ratios, placed at its measured TTFT / full; prints each mode's score at "
+                        "--budget-ttft and the Pareto frontier (plot with --plot)")
+    p.add_argument("--budget-ttft", type=float, default=0.25, help="the TTFT / full budget the frontier is read at")
+
+
+def _out_flags(p, plot: str | None = None) -> None:
+    p.add_argument("--json", default=None, help="write results as JSON here")
+    if plot:
+        p.add_argument("--plot", default=None, help=f"write PNGs next to this path ({plot})")
+
+
+def add_commands(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks; each prints its table and writes JSON (`cacheclip bench BENCH -h`)")
+    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+
+    p = benches.add_parser("niah", help="the needle suite: every mode's score on the same samples, paired")
+    _engine_flags(p)
+    _suite_flags(p)
+    _mode_flags(p, "full reuse ape cacheblend epic random cacheclip", "default 0.2, with --frontier 0.1 0.2 0.3 0.4")
+    _frontier_flags(p)
+    _versus_flag(p, "the cacheclip rows")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--from", dest="from_json", nargs="+", default=None, metavar="JSON",
+                   help="pool these saved runs (disjoint seeds, or other modes on the same samples) instead of "
+                        "running; TAG=JSON puts a run under a tag (tuned=run.json: rows tuned/full, ...)")
+    _out_flags(p, "-quality, -ttft, -frontier-LENGTH")
+    p.set_defaults(func=_bench_niah)
+
+    p = benches.add_parser("fidelity", help="KL to full attention of each mode's recompute, teacher-forced, no labels")
+    _engine_flags(p)
+    _suite_flags(p)
+    _mode_flags(p, "reuse random epic cacheclip-paper cacheclip oracle", "default 0.2, with --frontier 0.1 0.2 0.3 0.4")
+    _frontier_flags(p)
+    _versus_flag(p, "the cacheclip rows")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="answer tokens compared")
+    _out_flags(p, "-frontier-LENGTH")
+    p.set_defaults(func=_bench_fidelity)
+
+    p = benches.add_parser("deviation", help="reused vs full K/V per layer, and rows selected by that deviation")
+    _engine_flags(p)
+    _suite_flags(p)
+    _mode_flags(p, "none besides the oracle")
+    _versus_flag(p, "the oracle rows")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="answer tokens compared")
+    p.add_argument("--packets", action="store_true",
+                   help="measure the KV Packet caches (against a full prefill of the wrapped sequence)")
+    _out_flags(p)
+    p.set_defaults(func=_bench_deviation)
+
+    p = benches.add_parser("ttft", help="time to first token of every mode on the same requests, alternated")
+    _engine_flags(p)
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048], help="context lengths in primary tokens")
+    _mode_flags(p, "full reuse cacheclip")
+    p.add_argument("--runs", type=int, default=5, help="runs per mode")
+    p.add_argument("--peer", action="append", choices=["llamacpp"], default=None,
+                   help="a peer row, timed in the same alternation: llamacpp, llama.cpp's full prefill of the GGUF "
+                        "the primary was converted from (optional `peers` extra)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    _out_flags(p, "-breakdown, -ratio")
+    p.set_defaults(func=_bench_ttft)
+
+    p = benches.add_parser("schedules", help="one cacheclip request with the aux selection overlapped, first, or "
+                           "everything serial")
+    _engine_flags(p)
+    p.add_argument("--length", type=int, default=4096, help="request length in primary tokens")
+    p.add_argument("--ratio", type=float, default=0.2)
+    p.add_argument("--runs", type=int, default=3, help="cold runs per schedule")
+    _out_flags(p)
+    p.set_defaults(func=_bench_schedules)
+
+    p = benches.add_parser("recompute-profile", help="torch.profiler's operators of one selective recompute beside "
+                           "a full prefill")
+    _engine_flags(p)
+    p.add_argument("--length", type=int, default=4096, help="request length in primary tokens")
+    p.add_argument("--ratio", type=float, default=0.2)
+    p.add_argument("--no-full", action="store_true", help="skip the full prefill")
+    _out_flags(p)
+    p.set_defaults(func=_bench_recompute_profile)
+
+    p = benches.add_parser("alignment", help="aux against primary attention over the same chunks")
+    _engine_flags(p)
+    _suite_flags(p)
+    _out_flags(p)
+    p.set_defaults(func=_bench_alignment)
+
+    p = benches.add_parser("http", help="TTFT through `cacheclip serve` against the engine's own, same requests")
+    _engine_flags(p)
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048], help="context lengths in primary tokens")
+    _mode_flags(p, "cacheclip")
+    p.add_argument("--runs", type=int, default=5, help="runs per mode")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    _out_flags(p)
+    p.set_defaults(func=_bench_http)
+
+    p = benches.add_parser("load", help="K concurrent users against a running server (--url), bounded in time and "
+                           "requests")
+    add_dtype(p)
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (this machine only)")
+    p.add_argument("--users", type=int, default=4, help="concurrent users, one request at a time each")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds at most")
+    p.add_argument("--requests", type=int, default=200, help="requests at most, over all users")
+    p.add_argument("--mix", default="chat=0.5,retrieve=0.4,ingest=0.1",
+                   help="weights of the request kinds: chat (stored chunk text in the message), retrieve, ingest")
+    p.add_argument("--pool", type=int, default=8, help="distinct questions (their chunks repeat across requests)")
+    p.add_argument("--context", type=int, default=2,
+                   help="chunks per question (stuffed into chat requests, retrieved for bare questions)")
+    p.add_argument("--documents", type=int, default=24, help="generated notes ingested first, one chunk each")
+    p.add_argument("--api-key", default=None, help="the server's API key (default $CACHECLIP_API_KEY)")
+    p.add_argument("--admin-key", default=None, help="the server's admin key, for ingests (default $CACHECLIP_ADMIN_KEY)")
+    p.add_argument("--no-seed", action="store_true", help="do not ingest the generated notes first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    _out_flags(p)
+    p.set_defaults(func=_bench_load)
 
     p = sub.add_parser("eval", help="QA from a JSON Lines file: every mode on the same examples")
     add_common(p, store_default=str(cache_dir() / "eval-store"))

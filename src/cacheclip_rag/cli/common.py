@@ -12,8 +12,8 @@ from pathlib import Path
 
 from ..config import ChunkConfig, EngineConfig, ModelConfig, SelectConfig, StoreConfig
 from ..engine import CacheClipEngine
-from ..models import DEFAULT_AUX, DEFAULT_PRIMARY
-from ..request import RequestOptions
+from ..models.loading import DEFAULT_AUX, DEFAULT_PRIMARY
+from ..request.options import RequestOptions
 
 log = logging.getLogger("cacheclip_rag")
 

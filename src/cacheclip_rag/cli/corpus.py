@@ -5,13 +5,20 @@ from __future__ import annotations
 import json
 import time
 
-from .. import plan
 from ..config import ChunkConfig
-from ..demo import demo_documents, demo_questions
 from ..hardware import describe as describe_cpu
 from ..paths import cache_dir
-from ..request import DEFAULTS
-from .common import add_common, add_request_options, engine_from_args, fmt_timings, read_documents, request_options
+from ..request import selector as registry
+from ..request.options import DEFAULTS
+from .common import (
+    add_common,
+    add_request_options,
+    engine_from_args,
+    fmt_timings,
+    read_documents,
+    request_options,
+)
+from .demo import demo_documents, demo_questions
 
 
 def cmd_ingest(args) -> int:
@@ -111,7 +118,7 @@ def add_commands(sub) -> None:
     p = sub.add_parser("ask", help="answer a question from the store")
     add_common(p)
     p.add_argument("question")
-    add_request_options(p, plan.modes())
+    add_request_options(p, registry.modes())
     p.add_argument("-k", type=int, default=None, help="chunks to retrieve")
     p.add_argument("--chunk-ids", default=None, help="comma-separated chunk ids (bypasses retrieval)")
     p.add_argument("--compare-full", action="store_true", help="also run full mode and report its TTFT")

@@ -7,16 +7,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from .. import packets as packet_lib
 from ..config import EngineConfig, ModelConfig
+from ..corpus import packets as packet_lib
 from ..engine import CacheClipEngine
-from ..models import DEFAULT_AUX, DEFAULT_PRIMARY
 from ..hardware import describe as describe_cpu
+from ..models.loading import DEFAULT_AUX, DEFAULT_PRIMARY
 from .common import add_common, add_dtype, engine_from_args, progress_bar
 
 
 def cmd_models(args) -> int:
-    from ..models import EMBEDDED, resolve, verify_embedded
+    from ..models.loading import EMBEDDED, resolve, verify_embedded
 
     dtype = ModelConfig(dtype=args.dtype).torch_dtype()
     for name, spec in EMBEDDED.items():
@@ -28,7 +28,7 @@ def cmd_models(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from ..calibrate import calibrate, calibrate_share, table
+    from ..offline.calibrate import calibrate, calibrate_share, table
 
     engine = engine_from_args(args)
     if args.auto_share:
@@ -62,8 +62,9 @@ def cmd_train(args) -> int:
     concatenation-aware LoRA (`lora`: a folder) by self-distillation; write them to --out."""
     from dataclasses import fields as dc_fields
 
-    from ..models import load
-    from ..train import LoraTrainConfig, TrainConfig
+    from ..models.loading import load
+    from ..offline.train_lora import LoraTrainConfig
+    from ..offline.training import TrainConfig
 
     if args.what == "lora" and args.init:
         raise ValueError("--init starts KV Packet training from adapters; the LoRA starts from zero")
@@ -78,13 +79,13 @@ def cmd_train(args) -> int:
     if args.what == "lora":
         from dataclasses import asdict
 
-        from .. import lora
-        from ..train import train_lora
+        from ..models import lora
+        from ..offline.train_lora import train_lora
 
         peft_model, curve = train_lora(lm, cfg, progress=bar, teacher_progress=teacher)
         sha = lora.save(peft_model, args.out, lm, {"train_config": asdict(cfg), "curve": curve})
     else:
-        from ..train import save_adapters, train
+        from ..offline.train_packets import save_adapters, train
 
         init = packet_lib.resolve_adapters(args.init, lm) if args.init else None
         if args.init == "auto" and init is None:
@@ -142,7 +143,8 @@ def add_commands(sub) -> None:
                         "random vectors")
     from dataclasses import fields as dc_fields
 
-    from ..train import LoraTrainConfig, TrainConfig
+    from ..offline.train_lora import LoraTrainConfig
+    from ..offline.training import TrainConfig
 
     packet, lora_defaults = TrainConfig(), LoraTrainConfig()
     for f in dc_fields(LoraTrainConfig):  # unset: the config's own default (packet and lora differ)

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import logging
 
-from ..access import ADMIN_KEY_ENV, API_KEY_ENV, Keys, exposed_without_key
-from ..request import DEFAULTS
+from ..request.options import DEFAULTS
+from ..serving.access import ADMIN_KEY_ENV, API_KEY_ENV, Keys, exposed_without_key
 from .common import add_common, engine_config, engine_from_args
 
 log = logging.getLogger("cacheclip_rag")
 
 
 def cmd_serve(args) -> int:
-    """The OpenAI-compatible HTTP server and web page over one engine (`cacheclip_rag.server`)."""
-    from ..server import serve
+    """The OpenAI-compatible HTTP server and web page over one engine (`cacheclip_rag.serving.server`)."""
+    from ..serving.server import serve
 
     keys = Keys.from_env(args.api_key, args.admin_key)  # checked before the models load
     if exposed_without_key(args.host, keys):
@@ -38,7 +38,7 @@ def _serve_replicas(args, keys) -> int:
     import os
     import signal
 
-    from .. import replicas
+    from ..serving import replicas
 
     def stop(signum, frame):  # SIGTERM from a process manager, or SIGINT where a shell ignored it
         raise KeyboardInterrupt

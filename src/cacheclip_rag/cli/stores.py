@@ -8,7 +8,7 @@ from .common import add_common, engine_from_args
 
 
 def cmd_store(args) -> int:
-    from ..store import KVStore
+    from ..storage.store import KVStore
 
     root = args.store
     if "://" not in root and not (Path(root) / "store.json").exists():

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
-from ..chunking import encode_text
-from ..models import LoadedModel
-from ..select import attention_from_rows, to_chars, top_jaccard
-from ..niah import generate
+from ..corpus.chunking import encode_text
+from ..models.loading import LoadedModel
+from ..offline.niah import generate
+from ..offline.overlap import to_chars, top_jaccard
+from ..selectors.primary_attention import attention_from_rows
 
 
 @dataclass

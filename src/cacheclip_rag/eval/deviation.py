@@ -33,8 +33,9 @@ from pathlib import Path
 import torch
 
 from ..engine import CacheClipEngine
-from ..fidelity import Reference, packet_reference, reference
-from ..recompute import AssembledCache, recompute_rows
+from ..offline.reference import Reference, packet_reference, reference
+from ..request.assemble import AssembledCache
+from ..request.recompute import recompute_rows
 from .fidelity import FidelityResult, mode_rows, replay
 from .needle import label, suite
 

@@ -1,7 +1,7 @@
 """`cacheclip bench fidelity`: how close each selector's recompute comes to full attention.
 
 On the needle samples, full attention's own greedy answer is teacher-forced through the reused
-cache with each mode's recomputed rows (`cacheclip_rag.fidelity`); per answer position the
+cache with each mode's recomputed rows (`cacheclip_rag.offline.reference`); per answer position the
 next-token distribution is compared with full attention's. Columns: mean KL(full || mode) with
 its 95% bootstrap interval, the share of answer positions whose top token is full attention's,
 and the share of samples where every position agrees (greedy decoding would reproduce full
@@ -25,8 +25,14 @@ from pathlib import Path
 import torch
 
 from ..engine import CacheClipEngine
-from .. import plan
-from ..fidelity import Reference, kl_positions, packet_reference, reference, top1_agreement
+from ..offline.reference import (
+    Reference,
+    kl_positions,
+    packet_reference,
+    reference,
+    top1_agreement,
+)
+from ..request import selector as registry
 from . import frontier
 from .needle import BENCH_MODES, by_variants, label, ratio_order, request_for, suite
 from .stats import bootstrap_interval, mean_of_means
@@ -36,7 +42,7 @@ log = logging.getLogger(__name__)
 def row_modes() -> tuple[str, ...]:
     """The modes whose plan is a set of rows a replay can recompute (`Selector.row_set`; `full` is
     the reference itself), and the bench's CacheClip variants."""
-    return (*(m for m in plan.modes() if plan.get(m).row_set and m != "full"), *BENCH_MODES)
+    return (*(m for m in registry.modes() if registry.get(m).row_set and m != "full"), *BENCH_MODES)
 
 
 @dataclass
@@ -83,7 +89,7 @@ def run(
         packet_ref = None
         for mode, ratio in modes:
             on = ref
-            if mode not in BENCH_MODES and plan.get(mode).packets:
+            if mode not in BENCH_MODES and registry.get(mode).packets:
                 packet_ref = packet_ref or packet_reference(engine, ref, sample.question, ids)
                 on = packet_ref
             rows, ttft = mode_rows(engine, sample.question, ids, on, mode, ratio, sample_seed, budget)

@@ -1,6 +1,6 @@
 """`cacheclip bench http`: time to first token through the HTTP server against the engine's own.
 
-The engine is served on 127.0.0.1 (`cacheclip_rag.server`, one request at a time) in this
+The engine is served on 127.0.0.1 (`cacheclip_rag.serving.server`, one request at a time) in this
 process; for each length a synthetic context is ingested, then the same question over the same
 chunks runs alternately in-process (`engine.stream`, wall time to the first text piece) and over
 HTTP (a streaming `/v1/chat/completions` with `chunk_ids`, wall time to the first content event
@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 
 from ..engine import CacheClipEngine
-from ..haystack import needle_context
-from ..server import BackgroundServer, create_app
+from ..offline.haystack import needle_context
+from ..serving.server import BackgroundServer, create_app
 from .needle import ratio_text
 
 

@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ..haystack import prose
-from ..store import hit_rate
+from ..offline.haystack import prose
+from ..storage.store import hit_rate
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 KINDS = ("chat", "retrieve", "ingest")

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .. import plan
 from ..engine import CacheClipEngine
-from ..niah import VARIANTS, NeedleSample, generate, score
+from ..offline.niah import VARIANTS, NeedleSample, generate, score
+from ..request import selector as registry
 from .stats import bootstrap_interval, mean_of_means
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ def run(
 
 
 def _on_packets(mode: str) -> bool:
-    return mode not in BENCH_MODES and plan.get(mode).packets
+    return mode not in BENCH_MODES and registry.get(mode).packets
 
 
 def uses_packets(modes: list[tuple[str, float]]) -> bool:
@@ -143,7 +143,7 @@ def suite(
     caches when `packets`, so no timed request builds them), one at a time: (length, variant,
     seed, sample, chunk ids). Evaluation seeds must stay below the calibration seeds (ValueError
     before anything runs); progress(message) is called after each sample."""
-    from ..calibrate import CALIBRATION_SEED_BASE
+    from ..offline.calibrate import CALIBRATION_SEED_BASE
 
     if seed + samples > CALIBRATION_SEED_BASE:
         raise ValueError(f"evaluation seeds must stay below {CALIBRATION_SEED_BASE} (calibration uses those above)")
@@ -187,7 +187,7 @@ def label(mode: str, ratio: float) -> str:
     if "/" in mode:
         tag, inner = mode.split("/", 1)
         return f"{tag}/{label(inner, ratio)}"
-    selector = plan.get(mode) if mode in plan.modes() else None
+    selector = registry.get(mode) if mode in registry.modes() else None
     if selector is not None and selector.analysis_only:
         return f"{mode}@{ratio_text(ratio)}*"  # analysis only: costs more than full attention
     return mode if selector is not None and selector.fixed_ratio is not None else f"{mode}@{ratio_text(ratio)}"

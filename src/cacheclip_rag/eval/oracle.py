@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from ..plan import Plan, Selector, register
-from ..select import attention_from_rows, pick
+from ..request.plan import Plan
+from ..request.selector import Selector, register
+from ..selectors.budget import pick
+from ..selectors.primary_attention import attention_from_rows
 
 
 class Oracle(Selector):

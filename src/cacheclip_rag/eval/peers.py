@@ -43,7 +43,7 @@ class LlamaCpp:
     @classmethod
     def for_model(cls, model: str, threads: int, n_ctx: int) -> LlamaCpp:
         """The peer for the primary named `model` (an embedded name); PeerUnavailable otherwise."""
-        from ..models import gguf_path
+        from ..models.loading import gguf_path
 
         gguf = gguf_path(model)
         if gguf is None:

@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..engine import CacheClipEngine
-from .needle import label, request_for, uses_packets, with_full
 from .metrics import best_of, exact_match, normalize, rouge_l, token_f1
+from .needle import label, request_for, uses_packets, with_full
 
 
 @dataclass

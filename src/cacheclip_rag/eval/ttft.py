@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..engine import CacheClipEngine
-from ..haystack import needle_context
+from ..offline.haystack import needle_context
 from .needle import ratio_text, request_for, uses_packets, with_full
 
 log = logging.getLogger(__name__)

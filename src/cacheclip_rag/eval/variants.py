@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from ..plan import Plan, Selector, register
+from ..request.plan import Plan
+from ..request.selector import Selector, register
 from ..selectors.cacheclip import CacheClip
 from ..selectors.prophetkv import ProphetKV, query_attention
 
@@ -61,8 +62,7 @@ class CacheClipProphetKV(Selector):
         scores = query_attention(prepared).masked_fill(taken, float("-inf"))
         fill = max(0, min(budget - int(taken.sum()), int((~taken).sum())))
         extra = chunk_rows[torch.topk(scores, fill).indices] if fill else chunk_rows[:0]
-        return Plan(rows=torch.sort(torch.cat([aux_plan.rows, extra])).values, score_layers=aux_plan.score_layers,
-                    trace=aux_plan.trace, seconds=time.perf_counter() - start)
+        return Plan(rows=torch.sort(torch.cat([aux_plan.rows, extra])).values, trace=aux_plan.trace, seconds=time.perf_counter() - start)
 
 
 register(ProphetKVMax())

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from ..assemble import ape_positions
-from ..plan import Plan, Selector, register
-from ..recompute import ApeSpec
+from ..request.assemble import ape_positions
+from ..request.plan import Plan
+from ..request.recompute import ApeSpec
+from ..request.selector import Selector, register
 
 
 class Ape(Selector):

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from ..plan import Plan, Selector, register
-from ..recompute import BlendSpec
+from ..request.plan import Plan
+from ..request.recompute import BlendSpec
+from ..request.selector import Selector, register
 
 
 class CacheBlend(Selector):

@@ -13,9 +13,14 @@ import time
 
 import torch
 
-from ..config import SelectConfig
-from ..plan import Plan, Selector, register
-from ..select import joint_positions, map_tokens, scoring_layers, select
+from ..config import AUTO, SelectConfig
+from ..models.loading import LoadedModel
+from ..request.plan import Plan
+from ..request.profile_source import scoring_layers
+from ..request.selector import Selector, register
+from ..storage.record import ChunkKV
+from .aux_scores import aux_scores, joint_positions
+from .budget import ChunkSelection, map_tokens, mass_ratio, pick
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +47,7 @@ class CacheClip(Selector):
                 chunk_id=seg.chunk_id, text=seg.text, aux_offsets=aux_kv.offsets, aux_scores=pick.scores,
                 aux_candidates=pick.candidates, aux_kept=pick.kept, primary_offsets=seg.offsets, recomputed=mask,
             ))
-        return Plan(rows=torch.cat(rows), score_layers=request.select.score_layers, trace=tuple(trace),
+        return Plan(rows=torch.cat(rows), trace=tuple(trace),
                     seconds=time.perf_counter() - start)
 
 
@@ -76,3 +81,20 @@ def _fitting(cfg: SelectConfig, prepared, aux_kvs, query_ids: torch.Tensor) -> S
 
 
 register(CacheClip())
+
+
+def select(
+    aux: LoadedModel,
+    cfg: SelectConfig,
+    ratio: float,
+    aux_prefix: ChunkKV,
+    aux_chunks: list[ChunkKV],
+    query_ids: torch.Tensor,
+    budget: str = "keep",
+) -> list[ChunkSelection]:
+    """Score, pick candidates and group, per chunk, in aux token space. cfg: resolved
+    (SelectConfig.resolve), so its scoring layers and aggregations are all set."""
+    scores = aux_scores(aux, cfg, aux_prefix, aux_chunks, query_ids)
+    if ratio == AUTO:
+        ratio = mass_ratio(scores, cfg.auto_share, cfg.auto_floor, cfg.auto_cap)
+    return pick(scores, ratio, cfg, budget)

@@ -7,7 +7,8 @@ import math
 
 import torch
 
-from ..plan import Plan, Selector, register
+from ..request.plan import Plan
+from ..request.selector import Selector, register
 
 
 class Epic(Selector):

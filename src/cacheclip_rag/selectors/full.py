@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ..plan import Plan, Selector, register
+from ..request.plan import Plan
+from ..request.selector import Selector, register
 
 
 class Full(Selector):

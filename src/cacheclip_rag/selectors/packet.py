@@ -2,7 +2,7 @@
 with CacheClip selection.
 
 `packet` concatenates the chunks' packet caches (each chunk encoded between the trained header
-and trailer, `cacheclip_rag.packets`) behind the shared prefix and recomputes nothing but plain
+and trailer, `cacheclip_rag.corpus.packets`) behind the shared prefix and recomputes nothing but plain
 text, like `reuse`. `packet+cacheclip` also recomputes the rows the aux model picks at the
 requested ratio (CacheClip's selection mapped onto the packet's token rows; the soft rows are
 never picked, they have no text): the adapters repair what they can without compute, and the
@@ -12,7 +12,8 @@ every row, soft rows included, which equals a full prefill of the wrapped sequen
 
 from __future__ import annotations
 
-from ..plan import Plan, Selector, register
+from ..request.plan import Plan
+from ..request.selector import Selector, register
 from .cacheclip import CacheClip
 
 

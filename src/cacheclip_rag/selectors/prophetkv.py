@@ -31,10 +31,11 @@ import time
 
 import torch
 
-from ..assemble import assemble
-from ..plan import Plan, Selector, register
-from ..recompute import recompute_rows
-from ..select import rows_attention
+from ..request.pipeline import assemble
+from ..request.plan import Plan
+from ..request.recompute import recompute_rows
+from ..request.selector import Selector, register
+from .primary_attention import rows_attention
 
 
 class ProphetKV(Selector):

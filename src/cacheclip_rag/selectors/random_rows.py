@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..plan import Plan, Selector, register
+from ..request.plan import Plan
+from ..request.selector import Selector, register
 
 
 class RandomRows(Selector):

@@ -5,6 +5,12 @@ no other model), `chunk_nodes` / `ingest_nodes` (engine chunks <-> LlamaIndex no
 `CacheClipQueryEngine` (hands node ids to the engine instead of recognising texts).
 """
 
-from .base import CacheClipEmbedding, CacheClipLLM, CacheClipQueryEngine, chunk_nodes, ingest_nodes
+from .base import (
+    CacheClipEmbedding,
+    CacheClipLLM,
+    CacheClipQueryEngine,
+    chunk_nodes,
+    ingest_nodes,
+)
 
 __all__ = ["CacheClipEmbedding", "CacheClipLLM", "CacheClipQueryEngine", "chunk_nodes", "ingest_nodes"]

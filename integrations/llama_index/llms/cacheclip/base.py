@@ -24,7 +24,7 @@ from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import BaseNode, MetadataMode, TextNode
 from pydantic import ConfigDict, PrivateAttr
 
-from cacheclip_rag.frameworks import EngineLLMFields, apieces
+from cacheclip_rag.serving.frameworks import EngineLLMFields, apieces
 
 
 class CacheClipLLM(EngineLLMFields, CustomLLM):

@@ -1,0 +1,385 @@
+"""The KV store: chunk texts and per-model chunk caches in a backend, with a memory tier in front.
+
+What is stored (the bytes live in a `backends.KVBackend`: a folder, memory, or Redis)::
+
+    manifest ("store")   format version and the fingerprints the store was built for
+    texts                one chunk each: id, text, source, span
+    kv / <namespace>     one cache per chunk: per-layer K/V, token ids, character offsets
+    profile              the calibrated selection profile of the model pair
+
+A namespace is a hex digest of (model fingerprint, shared-prefix token ids): a cache is valid
+only for the model and prefix it was computed with. Stored names are hashes, so no chunk id or
+model name ever becomes a path or a server key. Every backend writes atomically. Each cache
+carries a checksum per tensor (XXH3-128; caches written before it carry sha256, still checked);
+a cache that fails to parse or to match its checksums is removed and reported missing, and the
+engine rebuilds it from the chunk's text. This checking is here, once, above every backend.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..config import StoreConfig
+from . import profiles as profile_lib
+from .backends import KVBackend, StoreUnavailableError, open_backend
+from .backends.base import check_namespace
+from .memory_tier import MemoryTier
+from .profiles import Profile
+from .record import (
+    FORMAT_VERSION,
+    Chunk,
+    ChunkKV,
+    DamagedCacheError,
+    LayerReader,
+    to_record,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StoreStats:
+    memory_hits: int = 0
+    disk_hits: int = 0
+    misses: int = 0
+    damaged: int = 0
+    writes: int = 0
+
+
+def hit_rate(counters: dict, prefix: str = "") -> float | None:
+    """Memory-tier hits over all chunk-cache reads, from `CacheClipEngine.stats` counters (or
+    differences of them); None before any read."""
+    hits = counters.get(prefix + "memory_hits", 0)
+    reads = hits + counters.get(prefix + "disk_hits", 0) + counters.get(prefix + "misses", 0)
+    return hits / reads if reads else None
+
+
+def open_store(location: str | os.PathLike, cfg: StoreConfig | None = None) -> KVStore:
+    """A store named by a folder path or a URL (memory://name, redis://host:port/db)."""
+    return KVStore(location, cfg)
+
+
+class KVStore:
+    """Chunk texts and chunk caches in a backend, with an LRU memory tier bounded in bytes.
+
+    location: a folder path or a store URL (see `backends.open_backend`), or a backend.
+    """
+
+    def __init__(self, location: str | os.PathLike | KVBackend, cfg: StoreConfig | None = None):
+        if isinstance(location, (str, os.PathLike)):
+            self.backend = open_backend(location)
+        else:
+            self.backend = location
+        self.cfg = cfg or StoreConfig()
+        self.stats = StoreStats()
+        self._by_namespace: dict[str, StoreStats] = {}
+        self._memory = MemoryTier(self.cfg.memory_bytes)
+        self._lock = threading.Lock()  # guards the stats
+
+    @property
+    def location(self) -> str:
+        return self.backend.location
+
+    def index_dir(self) -> Path:
+        """Where the chunk index (FAISS) is kept for this store."""
+        return self.backend.local_dir()
+
+    def close(self) -> None:
+        self.backend.close()
+
+    # ----- manifest -------------------------------------------------------------------------
+
+    def read_manifest(self) -> dict:
+        return self.backend.get_doc("store") or {}
+
+    def bind_models(self, fingerprints: dict[str, str]) -> None:
+        """Record which models this store serves, or refuse if it was built for others.
+
+        fingerprints: role ("primary", "aux") -> model fingerprint.
+        """
+        manifest = self.read_manifest()
+        if manifest.get("format", FORMAT_VERSION) != FORMAT_VERSION:
+            raise ValueError(
+                f"store {self.location} has format {manifest.get('format')!r}; this version reads {FORMAT_VERSION}"
+            )
+        known = manifest.get("models", {})
+        for role, fp in fingerprints.items():
+            if role in known and known[role] != fp:
+                raise ValueError(
+                    f"store {self.location} was built for a different {role} model (fingerprint "
+                    f"{known[role]}); the loaded {role} model has fingerprint {fp}. Use another "
+                    f"store or the models it was built with."
+                )
+        if known != {**known, **fingerprints} or not manifest:
+            self.backend.put_doc("store", {**manifest, "format": FORMAT_VERSION, "models": {**known, **fingerprints}})
+
+    def describe_namespace(self, namespace: str, info: dict) -> None:
+        """Record which model a namespace's caches belong to (for stats and verify)."""
+        manifest = self.read_manifest()
+        if manifest.get("namespaces", {}).get(namespace) == info:
+            return
+        manifest.setdefault("format", FORMAT_VERSION)
+        manifest.setdefault("namespaces", {})[namespace] = info
+        self.backend.put_doc("store", manifest)
+
+    def write_profile(self, new: Profile) -> None:
+        """Save a calibrated model-pair profile with the store, beside those of the same pair
+        calibrated at other lengths (`profile.merged`)."""
+        self.backend.put_doc("profile", profile_lib.document(profile_lib.merged(self.read_profiles(), new)))
+
+    def read_profiles(self, primary_fp: str | None = None, aux_fp: str | None = None) -> list[Profile]:
+        """The stored profiles, shortest calibration length first; with fingerprints, only those
+        made for that pair. An unreadable document is logged and read as none."""
+        try:
+            doc = self.backend.get_doc("profile")
+        except StoreUnavailableError:
+            raise
+        except ValueError as err:
+            log.warning("profile of store %s is unreadable (%s); ignoring it", self.location, err)
+            return []
+        profiles = profile_lib.parse(doc)
+        if primary_fp is not None:
+            profiles = [p for p in profiles if p.primary == primary_fp and p.aux == aux_fp]
+        return profiles
+
+    # ----- inspection -----------------------------------------------------------------------
+
+    def usage(self) -> dict:
+        """Chunks and stored bytes per namespace."""
+        texts = self.backend.texts()
+        out = {"chunks": len(texts), "text_bytes": sum(len(json.dumps(d)) for _, d in texts if d), "namespaces": {}}
+        names = self.read_manifest().get("namespaces", {})
+        for ns in self.backend.namespaces():
+            out["namespaces"][ns] = {**names.get(ns, {}), "caches": len(self.backend.list(ns)),
+                                     "bytes": self.backend.nbytes(ns)}
+        return out
+
+    def verify(self) -> dict:
+        """Check every cache (parse, names, every checksum) and every chunk text.
+
+        Returns {"checked": n, "damaged": [(namespace, name, why)], "orphans": [...],
+        "missing": {namespace: [chunk ids without a cache]}, "bad_texts": [names]}.
+        Nothing is changed; `repair` (on the engine) heals what this finds.
+        """
+        report = {"checked": 0, "damaged": [], "orphans": [], "missing": {}, "bad_texts": []}
+        on_demand = {ns for ns, info in self.read_manifest().get("namespaces", {}).items() if info.get("packets")}
+        chunk_ids = set()
+        for name, data in self.backend.texts():
+            ok = isinstance(data, dict) and isinstance(data.get("id"), str) and isinstance(data.get("text"), str) \
+                and name == self.backend.text_name(data["id"])
+            if ok:
+                chunk_ids.add(data["id"])
+            else:
+                report["bad_texts"].append(f"{name}: unreadable, or its name or text does not match")
+        for ns in self.backend.namespaces():
+            have = set()
+            for name in self.backend.list(ns):
+                report["checked"] += 1
+                try:
+                    record = self.backend.get_by_name(ns, name)
+                    if record is None:
+                        continue
+                    key = record.meta.get("key", "")
+                    reader = LayerReader(record, ns, key)
+                    for i in range(reader.num_layers):
+                        reader.layer(i)
+                    reader.close()
+                    if name != self.backend.name_of(key):
+                        raise DamagedCacheError("stored name does not match its key")
+                except StoreUnavailableError:
+                    raise
+                except (OSError, ValueError, KeyError) as err:
+                    report["damaged"].append((ns, name, str(err)))
+                    continue
+                have.add(key)
+                if key not in chunk_ids and not key.startswith("__"):
+                    report["orphans"].append((ns, key))
+            missing = sorted(chunk_ids - have)
+            if missing and ns not in on_demand:  # packet caches are built on first use: absent is fine
+                report["missing"][ns] = missing
+        for where, name in self.backend.leftovers():
+            report["damaged"].append((where, name, "leftover temporary file from an interrupted write"))
+        return report
+
+    def drop_leftovers(self) -> None:
+        """Remove pieces of interrupted writes."""
+        self.backend.drop_leftovers()
+
+    # ----- chunk texts ----------------------------------------------------------------------
+
+    def put_chunk(self, chunk: Chunk, embedding: Embedding | None = None) -> None:
+        """Store a chunk's text (once), with its retrieval embedding beside it so that another
+        process sharing the store indexes it without embedding it again."""
+        if self.get_chunk(chunk.id) is not None:
+            return
+        data = {"id": chunk.id, "text": chunk.text, "source": chunk.source, "start": chunk.start, "end": chunk.end}
+        if embedding is not None:
+            data["embedding"] = embedding.to_dict()
+        self.backend.put_text(chunk.id, data)
+
+    def chunk_count(self) -> int:
+        """How many chunk texts the store holds (cheap; shared stores are polled with it)."""
+        return self.backend.text_count()
+
+    def chunk_names(self) -> list[str]:
+        """The stored names of every chunk text (`chunk_name`), without reading them."""
+        return self.backend.text_names()
+
+    def chunk_name(self, chunk_id: str) -> str:
+        return self.backend.text_name(chunk_id)
+
+    def get_chunk_by_name(self, name: str) -> tuple[Chunk, Embedding | None] | None:
+        """The chunk stored under `name` and its embedding (None when it was stored without one or
+        the stored one is unreadable); None when the text is absent or unreadable."""
+        data = self.backend.get_text_by_name(name)
+        chunk = _chunk(data)
+        if chunk is None:
+            return None
+        return chunk, Embedding.from_dict(data.get("embedding"))
+
+    def get_chunk(self, chunk_id: str) -> Chunk | None:
+        return _chunk(self.backend.get_text(chunk_id), chunk_id)
+
+    def chunks(self) -> list[Chunk]:
+        """Every stored chunk (unreadable texts are skipped with a warning)."""
+        out = []
+        for name, data in self.backend.texts():
+            chunk = _chunk(data)
+            if chunk is None:
+                log.warning("skipping unreadable chunk text %s in %s", name, self.location)
+            else:
+                out.append(chunk)
+        return out
+
+    def chunk_ids(self) -> list[str]:
+        return [c.id for c in self.chunks()]
+
+    # ----- caches ---------------------------------------------------------------------------
+
+    def put_kv(self, namespace: str, key: str, kv: ChunkKV, remember: bool = True) -> None:
+        """Store `kv` under `key` (atomically, with its checksums) and, unless `remember` is False,
+        keep it whole in the memory tier."""
+        check_namespace(namespace)
+        self.backend.put(namespace, key, *to_record(kv, namespace, key))
+        self._count("writes", namespace=namespace)
+        if remember:
+            self._memory.put((namespace, key), kv)
+
+    def get_kv(self, namespace: str, key: str) -> ChunkKV | None:
+        """The cache of `key`, or None when it is missing or was damaged (and is now removed)."""
+        return self._lookup(namespace, key, whole=True)
+
+    def open_layers(self, namespace: str, key: str, layers: int | None = None) -> ChunkKV | LayerReader | None:
+        """For layer-wise loading: the cache from the memory tier (every layer at hand, or with
+        `layers` set, at least the first `layers`), or a reader that loads and verifies one layer
+        at a time, or None when it is missing or damaged (then removed). Token ids and offsets are
+        read and verified at once."""
+        return self._lookup(namespace, key, whole=False, layers=layers)
+
+    def _lookup(self, namespace: str, key: str, whole: bool, layers: int | None = None) -> ChunkKV | LayerReader | None:
+        """Memory tier first, then the backend: read whole (and remembered) or opened for layers."""
+        check_namespace(namespace)
+        hit = self._memory.get((namespace, key), layers)
+        if hit is not None:
+            self._count("memory_hits", namespace=namespace)
+            return hit
+        try:
+            record = self.backend.get(namespace, key)
+            if record is None:
+                self._count("misses", namespace=namespace)
+                return None
+            reader = LayerReader(record, namespace, key)
+            found = reader.read_all() if whole else reader
+        except StoreUnavailableError:
+            raise
+        except (OSError, ValueError, KeyError) as err:
+            self.discard(namespace, key, err)
+            return None
+        self._count("disk_hits", namespace=namespace)
+        if whole:
+            self._memory.put((namespace, key), found)
+        return found
+
+    def cache_name(self, key: str) -> str:
+        """The name a cache is stored under (as `verify` reports damaged ones)."""
+        return self.backend.name_of(key)
+
+    def discard(self, namespace: str, key: str, why: object) -> None:
+        """Remove a damaged cache (it is rebuilt from the chunk text on next use)."""
+        log.warning("cache of %r in %s (namespace %s) is damaged (%s); it will be rebuilt",
+                    key, self.location, namespace[:12], why)
+        self.backend.delete(namespace, key)
+        self._memory.pop((namespace, key))
+        self._count("damaged", "misses", namespace=namespace)
+
+    def remember(self, namespace: str, key: str, kv: ChunkKV, whole: bool = True) -> None:
+        """Put a cache that was read layer by layer into the memory tier: whole, or (whole False)
+        its first layers only, which then serve reads of no more layers than it has."""
+        self._memory.put((namespace, key), kv, whole)
+
+    def clear_memory(self) -> None:
+        self._memory.clear()
+
+    def memory_keys(self, namespace: str) -> list[str]:
+        """The keys (chunk ids) whose caches of `namespace` the memory tier holds now."""
+        return [key for ns, key in self._memory.keys() if ns == namespace]
+
+    @property
+    def memory_bytes(self) -> int:
+        return self._memory.nbytes
+
+    def stats_of(self, namespace: str) -> StoreStats:
+        """The counters of one namespace's caches (one model's), a copy."""
+        with self._lock:
+            return dataclasses.replace(self._by_namespace.get(namespace) or StoreStats())
+
+    def _count(self, *names: str, namespace: str) -> None:
+        with self._lock:
+            mine = self._by_namespace.setdefault(namespace, StoreStats())
+            for name in names:
+                setattr(self.stats, name, getattr(self.stats, name) + 1)
+                setattr(mine, name, getattr(mine, name) + 1)
+
+
+@dataclass(frozen=True)
+class Embedding:
+    """A chunk's retrieval embedding as stored beside its text: the embedder's name and the
+    normalized vector [D] (float32, little-endian, base64 in the text document)."""
+
+    model: str
+    vector: np.ndarray
+
+    def to_dict(self) -> dict:
+        raw = np.ascontiguousarray(self.vector, dtype="<f4").tobytes()
+        return {"model": self.model, "dim": int(self.vector.size), "b64": base64.b64encode(raw).decode("ascii")}
+
+    @classmethod
+    def from_dict(cls, data) -> Embedding | None:
+        try:
+            vector = np.frombuffer(base64.b64decode(data["b64"], validate=True), dtype="<f4").astype(np.float32)
+            if vector.size != int(data["dim"]) or not np.isfinite(vector).all():
+                return None
+            return cls(str(data["model"]), vector)
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def _chunk(data: dict | None, chunk_id: str | None = None) -> Chunk | None:
+    try:
+        if data is None or (chunk_id is not None and data.get("id") != chunk_id):
+            return None
+        return Chunk(data["id"], data["text"], data["source"], data["start"], data["end"])
+    except (KeyError, TypeError, AttributeError):
+        return None
+
+
+__all__ = ["Embedding", "KVStore", "StoreStats", "open_store"]
