@@ -1,4 +1,4 @@
-"""One engine process over a shared store, for tests/test_scale_out.py.
+"""One engine process over a shared store, for tests/serving/test_scale_out.py.
 
     python redis_worker.py STORE_URL ingest      ingest the test corpus; print the chunk ids
     python redis_worker.py STORE_URL answer IDS  answer from those chunks in every mode; print

@@ -155,7 +155,7 @@ class BaselineConfig:
     prophetkv_heads: str = "max"
     """How ProphetKV reduces each layer's attention over query heads (each head's averaged over
     the query rows first): "max" keeps a token that any one head reads strongly, "mean" dilutes
-    it by the heads that do not (measured in `docs/benchmarks.md`)."""
+    it by the heads that do not (measured in `docs/notes/2026-12-03-benchmark-record.md`)."""
 
     def __post_init__(self) -> None:
         for name in ("ape_temperature", "ape_scale"):
@@ -180,7 +180,7 @@ class PipelineConfig:
     where the primary runs on another device than the aux (the paper's split: aux on the CPU,
     primary on a GPU) and selects first where both share the CPU: there the two compete for
     the same cores, the overlap hid 0-0.02 s of the selection and made it longer (2-core CPUs,
-    docs/benchmarks.md, "Selection before loading on a CPU").
+    docs/notes/2026-12-03-benchmark-record.md, "Selection before loading on a CPU").
     layerwise_loading: load and assemble layer l + 1 while layer l is recomputed.
     """
 

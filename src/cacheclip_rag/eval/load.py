@@ -88,7 +88,7 @@ def _site(i: int) -> str:
 def corpus(n: int, seed: int = 0) -> list[tuple[str, str]]:
     """n (document, question) pairs: a note about one named site, prose around one fact, and a
     question only that note answers (the site's name is in both, so retrieval finds the note;
-    `tests/test_load.py` checks it does). Deterministic for (n, seed)."""
+    `tests/eval/test_load.py` checks it does). Deterministic for (n, seed)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):

@@ -14,7 +14,7 @@ profile, grouping) and fills the rest with ProphetKV's top-scored chunk rows (Wa
 "ProphetKV: User-Query-Driven Selective Recomputation for Efficient KV Cache Reuse in
 Retrieval-Augmented Generation", arXiv:2602.02579) among those CacheClip left. Both selections
 are on the critical path on one CPU and count in `timings["selection"]`. Measured at 4K it
-scores below both (`docs/benchmarks.md`, where the multi-key gap turns out to be two samples).
+scores below both (`docs/notes/2026-12-03-benchmark-record.md`, where the multi-key gap turns out to be two samples).
 """
 
 from __future__ import annotations

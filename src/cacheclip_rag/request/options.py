@@ -53,7 +53,7 @@ class RequestOptions:
     """The per-request options every entry point accepts, validated: the one declaration of
     their names, defaults and meanings. The engine's keyword arguments, the HTTP body
     (`server.Options`), the LangChain / LlamaIndex fields (`frameworks.EngineLLMFields`) and the
-    `cacheclip ask` flags are derived from it (tests/test_request.py checks each).
+    `cacheclip ask` flags are derived from it (tests/request/test_request.py checks each).
     """
 
     mode: str = _option("cacheclip", "the KV method: a registered selector (`CacheClipEngine.modes()`)")

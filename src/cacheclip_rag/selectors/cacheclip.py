@@ -25,6 +25,23 @@ from .budget import ChunkSelection, map_tokens, mass_ratio, pick
 log = logging.getLogger(__name__)
 
 
+def select(
+    aux: LoadedModel,
+    cfg: SelectConfig,
+    ratio: float,
+    aux_prefix: ChunkKV,
+    aux_chunks: list[ChunkKV],
+    query_ids: torch.Tensor,
+    budget: str = "keep",
+) -> list[ChunkSelection]:
+    """Score, pick candidates and group, per chunk, in aux token space. cfg: resolved
+    (`ProfileSource.settings`), so its scoring layers and aggregations are all set."""
+    scores = aux_scores(aux, cfg, aux_prefix, aux_chunks, query_ids)
+    if ratio == AUTO:
+        ratio = mass_ratio(scores, cfg.auto_share, cfg.auto_floor, cfg.auto_cap)
+    return pick(scores, ratio, cfg, budget)
+
+
 class CacheClip(Selector):
     name = "cacheclip"
     uses_aux = True
@@ -81,20 +98,3 @@ def _fitting(cfg: SelectConfig, prepared, aux_kvs, query_ids: torch.Tensor) -> S
 
 
 register(CacheClip())
-
-
-def select(
-    aux: LoadedModel,
-    cfg: SelectConfig,
-    ratio: float,
-    aux_prefix: ChunkKV,
-    aux_chunks: list[ChunkKV],
-    query_ids: torch.Tensor,
-    budget: str = "keep",
-) -> list[ChunkSelection]:
-    """Score, pick candidates and group, per chunk, in aux token space. cfg: resolved
-    (SelectConfig.resolve), so its scoring layers and aggregations are all set."""
-    scores = aux_scores(aux, cfg, aux_prefix, aux_chunks, query_ids)
-    if ratio == AUTO:
-        ratio = mass_ratio(scores, cfg.auto_share, cfg.auto_floor, cfg.auto_cap)
-    return pick(scores, ratio, cfg, budget)

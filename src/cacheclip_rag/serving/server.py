@@ -61,7 +61,7 @@ what fits the default primary's 32K-token context."""
 
 OPENAI_FIELDS = {"max_new_tokens": ("max_tokens", "max_completion_tokens")}
 """`RequestOptions` fields an OpenAI body carries under its own names; every other field is a body
-field of the same name (tests/test_server.py checks that each one is)."""
+field of the same name (tests/serving/test_server.py checks that each one is)."""
 
 
 class Options(BaseModel):

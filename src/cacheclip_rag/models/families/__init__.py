@@ -3,7 +3,7 @@
 To support a new family: write a file here with a `Family` subclass that overrides what differs
 from the Llama layout (`families/base.py`), and add it to `FAMILIES` below. Tests run the
 correctness oracles over a tiny random model of every family (the `tiny_lm` fixture in
-`tests/conftest.py`, used by tests/test_recompute.py, test_kernel.py, test_select.py, test_packets.py).
+`tests/conftest.py`, used by tests/request/test_recompute.py, test_kernel.py, test_aux_scoring.py, test_packets.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 (`redis://host:port/db`, shared by several processes or machines). Each module registers its URL
 scheme (`base.register`) when imported, as here; `open_backend` picks one from a path or URL.
 To add one: write a module with a class that implements `KVBackend`, call
-`register("scheme", opener)` in it, and import it; the contract suite in tests/test_backends.py
+`register("scheme", opener)` in it, and import it; the contract suite in tests/storage/test_backends.py
 runs against every implementation.
 """
 

@@ -1,8 +1,8 @@
 """Faults at small scale on the real server: the shared store (Redis) stops answering mid-service
 and comes back. Requests while it is gone get a 503 naming the store, within the socket timeout;
 service resumes without a restart; nothing in the store is damaged. (A killed Ray replica:
-tests/test_ray_serve.py; overload past the queue bound: tests/test_server.py; ingests during a
-load: tests/test_load.py.)"""
+tests/serving/test_ray_serve.py; overload past the queue bound: tests/serving/test_server.py; ingests during a
+load: tests/eval/test_load.py.)"""
 
 import os
 import signal

@@ -11,7 +11,7 @@ from conftest import CORPUS
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
 
-WORKER = Path(__file__).with_name("redis_worker.py")
+WORKER = Path(__file__).parent.parent / "redis_worker.py"
 
 
 def _worker(*args: str) -> dict:

@@ -220,3 +220,30 @@ def test_chunk_start_tokens_are_always_recomputed(tiny_pair, tmp_path):
     layout = eng.prepare(Q, ids).layout
     starts = {seg.start + i for seg in layout.chunk_segments() for i in range(3)}
     assert starts <= set(ans.recomputed)
+
+
+def test_profiles_are_read_once_and_again_after_a_write_or_a_catch_up(tiny_pair, tmp_path):
+    """A request takes its selection settings from profiles held in memory, not from a store read
+    per request; a profile written here, or one another process wrote before ingesting (found by
+    the catch-up), is taken from the next request on."""
+    from cacheclip_rag.storage.profiles import Profile
+
+    cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4))
+    eng = CacheClipEngine(*tiny_pair, tmp_path / "s", cfg)
+    ids = eng.ingest(CORPUS[:3], progress=False)
+    reads = []
+    read = eng.store.read_profiles
+    eng.store.read_profiles = lambda *pair: (reads.append(pair) if pair else None) or read(*pair)  # a pair's reads
+    for _ in range(3):
+        eng.answer(Q, chunk_ids=ids, max_new_tokens=1)
+    assert len(reads) == 1
+    pair = dict(primary=eng.primary.lm.fingerprint, aux=eng.aux.lm.fingerprint)
+    eng.profiles.write(Profile(**pair, aux_layers=(0,)))
+    assert eng.answer(Q, chunk_ids=ids, max_new_tokens=1).score_layers == (0,) and len(reads) == 2
+    with CacheClipEngine(*tiny_pair, tmp_path / "s", cfg) as other:  # another process on the store
+        other.profiles.write(Profile(**pair, aux_layers=(1,)))
+        assert eng.answer(Q, chunk_ids=ids, max_new_tokens=1).score_layers == (0,)  # not looked for yet
+        other.ingest([CORPUS[5]], progress=False)
+    # a request that reads the corpus (retrieval) catches up first, and finds the new profile
+    assert eng.answer(Q, max_new_tokens=1).score_layers == (1,)
+    eng.close()

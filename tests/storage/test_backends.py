@@ -83,11 +83,13 @@ def test_damage_is_detected_removed_and_reported_missing(store):
 def test_damage_found_while_loading_layers(store):
     from cacheclip_rag.storage.record import DamagedCacheError
 
-    store.put_kv(NS, "c1", _kv())
+    kv = _kv()
+    store.put_kv(NS, "c1", kv)
     store.clear_memory()
     _corrupt(store, NS, "c1")
     reader = store.open_layers(NS, "c1")
-    assert reader.layer(0) is not None
+    k, v = reader.layer(0)  # the intact first layer reads back as written
+    assert torch.equal(k, kv.keys[0]) and torch.equal(v, kv.values[0])
     with pytest.raises(DamagedCacheError):
         reader.layer(2)
 

@@ -269,12 +269,27 @@ def test_miniature_qa_and_ttft_runs(eng, tmp_path):
     assert len(steps) == ttft.requests([120], [("reuse", 0.0), ("cacheclip", 0.2)], runs=2) == 6
     assert steps[0].startswith("120 full: ")
     ttft.write_json(trows, tmp_path / "t.json")
+    written = json.loads((tmp_path / "t.json").read_text())
+    assert [(r["mode"], r["ratio"]) for r in written] == [(r.mode, r.ratio) for r in trows]
+    assert [r["ttft_median"] for r in written] == [r.ttft_median for r in trows] and written[0]["vs_full"] == 1.0
 
 
 def test_miniature_alignment(tiny_pair):
-    rows = alignment.run(*tiny_pair, lengths=[100], samples=1)
-    assert 0.0 <= rows[0].jaccard_aux_last <= 1.0 and rows[0].kl_pri_first >= 0.0
-    assert "J(aux_last,pri_last)" in alignment.table(rows)
+    primary, aux = tiny_pair
+    # A model paired with itself is its own aux: its peaks are the primary's, at KL 0.
+    same = alignment.run(primary, primary, lengths=[100], samples=1)[0]
+    assert same.jaccard_aux_last == 1.0 and same.kl_aux_last == pytest.approx(0.0, abs=1e-9)
+    # The pair's figures are the overlap of the two models' own last-token attention.
+    row = alignment.run(primary, aux, lengths=[100], samples=1, seed=7)[0]
+    sample = niah.generate("multikey_1", 100, 7, primary.tokenizer)
+    text = sample.context + "\n\nQuestion: " + sample.question + "\nAnswer:"
+    pri, pri_off = alignment.last_token_attention(primary, text, [0, -1])
+    aux_att, aux_off = alignment.last_token_attention(aux, text, [-1])
+    n = len(sample.context)
+    pri_last, aux_last = to_chars(pri[-1], pri_off, n), to_chars(aux_att[-1], aux_off, n)
+    assert row.jaccard_aux_last == top_jaccard(aux_last, pri_last)
+    assert row.kl_pri_first == alignment.kl(to_chars(pri[0], pri_off, n), pri_last) > 0
+    assert "J(aux_last,pri_last)" in alignment.table([row])
 
 
 def test_selection_page(eng, tmp_path):
@@ -296,7 +311,13 @@ def test_needle_bench_reports_overlap_with_the_oracle(eng):
     assert by_mode[needle.PAPER_MODE].effective_fraction <= by_mode["cacheclip"].effective_fraction
     assert abs(by_mode["cacheclip"].effective_fraction - 0.5) <= 8 / by_mode["cacheclip"].prompt_tokens + 0.05
     assert by_mode["oracle"].oracle_overlap == 1.0
-    assert 0.0 <= by_mode["cacheclip"].oracle_overlap <= 1.0
+    # cacheclip's overlap is the Jaccard index of its chunk rows and the oracle's on that sample
+    (_, _, seed, sample, ids), = needle.suite(eng, ["single_2"], [150], 1, 0)
+    chunk_rows = set(eng.prepare(sample.question, ids).layout.chunk_rows().tolist())
+    rows = {m: set(eng.answer(sample.question, chunk_ids=ids, recompute_ratio=0.5, max_new_tokens=2, seed=seed,
+                              **needle.request_for(m, "keep")).recomputed) & chunk_rows for m in ("cacheclip", "oracle")}
+    expected = len(rows["cacheclip"] & rows["oracle"]) / len(rows["cacheclip"] | rows["oracle"])
+    assert by_mode["cacheclip"].oracle_overlap == pytest.approx(expected)
     assert math.isnan(by_mode["full"].oracle_overlap)  # no oracle run at full's ratio
 
 

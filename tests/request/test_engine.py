@@ -46,7 +46,11 @@ def test_cacheclip_answer_metadata(engine):
     ans = engine.answer(QUESTION, chunk_ids=ids, recompute_ratio=0.5, max_new_tokens=4)
     assert ans.chunk_ids == ids and ans.mode == "cacheclip"
     assert {"selection", "load", "recompute", "ttft", "total"} <= set(ans.timings)
-    assert 0.0 <= ans.effective_fraction <= 1.0
+    chunk_rows = set(engine.prepare(QUESTION, chunk_ids=ids).layout.chunk_rows().tolist())
+    assert ans.context_tokens == len(chunk_rows)
+    assert ans.effective_fraction == len(set(ans.recomputed) & chunk_rows) / len(chunk_rows)
+    assert abs(ans.effective_fraction - 0.5) <= 0.1  # the kept budget lands near the ratio
+    assert ans.score_layers is not None  # the aux model scored
     assert ans.recomputed == sorted(set(ans.recomputed))
     assert ans.recomputed[-1] == ans.prompt_tokens - 1
     assert ans.generated_tokens <= 4
@@ -269,3 +273,25 @@ def test_the_aux_pass_keeps_in_memory_only_the_layers_it_reads(tiny_pair, tmp_pa
         after = store.stats_of(ns)
         assert after.memory_hits - before.memory_hits == len(ids) and after.disk_hits == before.disk_hits
         assert again.text == first.text
+
+
+def test_scoring_layers_are_reported_only_where_the_aux_model_scored(engine):
+    ids = engine.ids[:3]
+    assert engine.answer(QUESTION, ids, recompute_ratio=0.5, max_new_tokens=1).score_layers is not None
+    for opts in (dict(recompute_ratio=0.0), dict(recompute_ratio=1.0), dict(mode="reuse"),
+                 dict(mode="random", recompute_ratio=0.5)):
+        assert engine.answer(QUESTION, ids, max_new_tokens=1, **opts).score_layers is None, opts
+
+
+def test_a_request_is_frozen_and_its_stages_return_what_they_found(engine):
+    """The request is input only: the stages' results come back in the Answer, not in it."""
+    import dataclasses
+
+    prepared = engine.prepare(QUESTION, engine.ids[:3], recompute_ratio=0.5, max_new_tokens=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        prepared.request.ratio = 1.0
+    before = dataclasses.asdict(prepared.request)
+    stream = engine.run(prepared)
+    answer = stream.collect()
+    assert dataclasses.asdict(prepared.request) == before
+    assert len(stream.trace) == 3 and answer.timings["ttft"] > 0 and answer.generated_tokens <= 2

@@ -17,7 +17,7 @@ from cacheclip_rag.cli import main as cli_main
 from cacheclip_rag.corpus import caches as caches_mod
 from cacheclip_rag.models import loading as models
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 Q = "what is the code in the kitchen drawer?"
 
 
