@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 MODELS := $(VENV)/.models-ready
 
-.PHONY: install models demo test clean
+.PHONY: install models demo test clean gpu-bundle
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python >= 3.11 is needed, found " + sys.version'
@@ -32,5 +32,10 @@ demo: $(MODELS)
 test: $(MODELS)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest
 
+# The wheels the GPU check carries to a bare accelerator machine (docs/gpu.md); under 48 MiB.
+gpu-bundle: $(STAMP)
+	rm -rf gpu-bundle
+	$(PY) scripts/gpu_bundle.py build gpu-bundle
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info gpu-bundle

@@ -1,30 +1,31 @@
 #!/usr/bin/env bash
-# The GPU checks of the TTFT issue, as one script for a machine with an NVIDIA GPU.
+# The GPU check, one command on any machine with an NVIDIA GPU, bare or not (docs/gpu.md):
 #
-#   bash scripts/gpu_check.sh [OUT_DIR]        (about 6-8 minutes on an H200, models converted)
+#   bash scripts/gpu_check.sh [OUT_DIR] [--dry-run] [--budget SECONDS]
 #
-# 1. The Triton sparse-query kernel against dense causal SDPA and its torch reference, bf16,
-#    N = 4K..32K, M/N = 0.1, 0.2, 0.5, Qwen2.5-0.5B head shapes, with and without a sliding window.
-# 2. End-to-end TTFT on CUDA (primary on cuda:0, aux on the CPU: the paper's placement) for full,
-#    reuse, cacheblend and cacheclip (per-chunk and joint aux scoring) at 20%, 4K and 8K, caches
-#    read from disk.
-# 3. The recompute oracles on CUDA in bf16 (the kernel path), as a test run.
-# Everything it prints is also written under OUT_DIR (default: out/gpu).
+# It needs the repository, a Python with torch and triton, and, where that Python's transformers
+# is not the version this project pins, the wheels `make gpu-bundle` put in gpu-bundle/ (carried
+# beside the tree; the ones the machine lacks are unpacked under OUT_DIR/site). No network, no
+# model weights. Every table and its JSON goes under OUT_DIR (default out/gpu), in the order of
+# importance: kernel, oracles, TTFT from host memory, TTFT from a file store.
+# --dry-run: the same path on the CPU (tiny shapes, Triton's interpreter); CI runs it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT="${1:-out/gpu}"
+OUT="out/gpu"
+if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then OUT="$1"; shift; fi
+PY="${PY:-python3}"
+if ! "$PY" -c "import torch, triton" 2>/dev/null; then
+    echo "gpu check: $PY cannot import torch and triton; run it with a Python that has both (PY=/path/to/python)" >&2
+    exit 2
+fi
 mkdir -p "$OUT"
-PY="${PY:-.venv/bin/python}"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-unset TRITON_INTERPRET
-export HF_HUB_OFFLINE=1
-
-"$PY" -m cacheclip_kernels.bench --lengths 4096 8192 16384 32768 --fractions 0.1 0.2 0.5 \
-    --json "$OUT/kernel.json" | tee "$OUT/kernel.txt"
-"$PY" -m cacheclip_kernels.bench --lengths 16384 --fractions 0.2 --window 512 \
-    --json "$OUT/kernel-window.json" | tee "$OUT/kernel-window.txt"
-
-"$PY" -m pytest -q -p no:cacheprovider tests/test_kernel.py tests/test_recompute.py 2>&1 | tail -3 | tee "$OUT/tests.txt"
-
-.venv/bin/cacheclip bench ttft --store "$OUT/store" --lengths 4096 8192 --modes reuse cacheblend cacheclip cacheclip-joint \
-    --ratios 0.2 --runs 3 --budget keep --json "$OUT/ttft.json" 2>&1 | tee "$OUT/ttft.txt"
+SITE="$("$PY" scripts/gpu_bundle.py path "${GPU_BUNDLE:-gpu-bundle}" "$OUT/site")"
+export PYTHONPATH="${SITE:+$SITE:}$PWD/src:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+case " $* " in
+    *" --dry-run "*) export TRITON_INTERPRET=1 ;;
+    *) export TRITON_INTERPRET=0
+       command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv \
+           > "$OUT/gpu.txt" || true ;;
+esac
+exec "$PY" -m cacheclip_rag.eval.gpu --out "$OUT" "$@"

@@ -52,6 +52,9 @@ def tiny_tokenizer():
     return _tokenizer()
 
 
+DEVICE = os.environ.get("CACHECLIP_TEST_DEVICE", "cpu")
+"""Where the tiny models run: the GPU check runs the recompute oracles with it set to cuda."""
+
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
 WINDOW = 12
 """Sliding window of the tiny windowed families: well under a test request's length (~90 tokens)."""
@@ -92,7 +95,7 @@ def tiny_model(kind: str, tokenizer, seed: int = 0, layers: int = 3):
         model = tf.Gemma3ForCausalLM(cfg)
     else:
         raise ValueError(kind)
-    model = model.to(torch.float32).eval()
+    model = model.to(torch.float32).to(DEVICE).eval()
     # Random init gives near-uniform attention; sharper weights make the oracles meaningful.
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -37,6 +37,18 @@ def _time(fn, device: str, reps: int) -> float:
     return statistics.median(samples)
 
 
+def _flash_ms(q, k, v, reps: int) -> float | None:
+    """Dense causal attention through FlashAttention's kernel (torch's SDPA flash backend), or
+    None where torch does not expose it for these shapes."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return _time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), "cuda", reps)
+    except RuntimeError:
+        return None
+
+
 def run(lengths, fractions, heads=14, kv_heads=2, head_dim=64, dtype=torch.bfloat16, device="cuda", reps=20, window=None):
     """Dense is causal SDPA over all N rows (with the same sliding window as a boolean mask when one is given)."""
     rows = []
@@ -54,19 +66,25 @@ def run(lengths, fractions, heads=14, kv_heads=2, head_dim=64, dtype=torch.bfloa
             else:
                 band = causal_position_mask(torch.arange(n, device=device)[None], n, window)
                 dense = _time(lambda: F.scaled_dot_product_attention(q_all, k, v, attn_mask=band, enable_gqa=True), device, reps)
+            flash = _flash_ms(q_all, k, v, reps) if device == "cuda" and window is None else None
             kernel = _time(lambda: sparse_query_attention(q, k, v, pos, window=window), device, reps)
             ref = _time(lambda: sparse_query_attention_ref(q, k, v, pos, window=window), device, reps)
-            rows.append(dict(n=n, m=m, frac=frac, window=window, kernel_ms=kernel, ref_ms=ref, dense_ms=dense,
+            err = (sparse_query_attention(q, k, v, pos, window=window).float()
+                   - sparse_query_attention_ref(q, k, v, pos, window=window).float()).abs().max().item()
+            rows.append(dict(n=n, m=m, frac=frac, window=window, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                             kernel_ms=kernel, ref_ms=ref, dense_ms=dense, flash_ms=flash, max_err=err,
                              kernel_vs_dense=kernel / dense, ref_vs_dense=ref / dense))
     return rows
 
 
 def table(rows, label: str) -> str:
-    head = f"{'N':>6} {'M/N':>5} {'kernel ms':>10} {'torch ref ms':>13} {'dense SDPA ms':>14} {'kernel/dense':>13} {'ref/dense':>10}"
+    head = (f"{'N':>6} {'M/N':>5} {'kernel ms':>10} {'torch ref ms':>13} {'dense SDPA ms':>14} {'flash ms':>9} "
+            f"{'kernel/dense':>13} {'ref/dense':>10} {'max err':>9}")
     lines = [label, head, "-" * len(head)]
     for r in rows:
+        flash = f"{r['flash_ms']:>9.3f}" if r.get("flash_ms") is not None else f"{'-':>9}"
         lines.append(f"{r['n']:>6} {r['frac']:>5.2f} {r['kernel_ms']:>10.3f} {r['ref_ms']:>13.3f} {r['dense_ms']:>14.3f} "
-                     f"{r['kernel_vs_dense']:>13.3f} {r['ref_vs_dense']:>10.3f}")
+                     f"{flash} {r['kernel_vs_dense']:>13.3f} {r['ref_vs_dense']:>10.3f} {r['max_err']:>9.2e}")
     return "\n".join(lines)
 
 

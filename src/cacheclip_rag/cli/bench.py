@@ -125,6 +125,13 @@ def _bench_recompute_profile(args) -> int:
     return 0
 
 
+def _bench_gpu(args) -> int:
+    """The GPU check (`eval/gpu.py`; on a bare machine run `scripts/gpu_check.sh` instead)."""
+    from ..eval import gpu
+
+    return gpu.main(["--out", args.out, "--budget", str(args.budget), *(["--dry-run"] if args.dry_run else [])])
+
+
 def _engine(args):
     return engine_from_args(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
 
@@ -434,6 +441,13 @@ def add_commands(sub) -> None:
     p.add_argument("--no-full", action="store_true", help="skip the full prefill")
     _out_flags(p)
     p.set_defaults(func=_bench_recompute_profile)
+
+    p = benches.add_parser("gpu", help="the GPU check: kernel, oracles on the device, TTFT with the primary on the GPU "
+                           "(docs/gpu.md); --dry-run: the same on the CPU")
+    p.add_argument("--out", default="out/gpu", help="folder for every table and its JSON")
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, Triton's interpreter")
+    p.add_argument("--budget", type=float, default=450.0, help="seconds after which the remaining parts are skipped")
+    p.set_defaults(func=_bench_gpu)
 
     p = benches.add_parser("alignment", help="aux against primary attention over the same chunks")
     _engine_flags(p)

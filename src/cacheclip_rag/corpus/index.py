@@ -61,11 +61,10 @@ class ChunkIndex:
         return self._embedder
 
     def _load(self) -> None:
-        import faiss
-
         index_path, ids_path = self.folder / "faiss.bin", self.folder / "ids.json"
         if not index_path.exists() or not ids_path.exists():
             return
+        import faiss  # only where there is an index to read: a store used without retrieval needs none
         try:
             index = faiss.read_index(str(index_path))
             ids = json.loads(ids_path.read_text())
