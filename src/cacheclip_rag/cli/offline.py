@@ -16,10 +16,13 @@ from .common import add_common, add_dtype, engine_from_args, progress_bar
 
 
 def cmd_models(args) -> int:
-    from ..models.loading import EMBEDDED, resolve, verify_embedded
+    from ..models.loading import EMBEDDED, installed, resolve, verify_embedded
 
     dtype = ModelConfig(dtype=args.dtype).torch_dtype()
     for name, spec in EMBEDDED.items():
+        if spec.extra is not None and not installed(spec):
+            print(f"{name}: not installed (optional: {spec.install_hint})")
+            continue
         start = time.perf_counter()
         verify_embedded(spec)
         folder = resolve(name, dtype)
