@@ -205,3 +205,30 @@ def test_bench_recompute_profile_lists_the_operators_of_recompute_and_full(folde
     assert [r["name"] for r in result["runs"]] == ["recompute", "full"]
     assert 0 < result["rows"] < result["tokens"]
     assert all(r["seconds"] > 0 and r["ops"] and all(op["calls"] >= 1 for op in r["ops"]) for r in result["runs"])
+
+
+def test_bench_qa_resumes_its_results_file_and_eval_runs_the_shipped_questions(folders, tmp_path, capsys):
+    data = tmp_path / "hotpotqa.jsonl"
+    data.write_text("\n".join(json.dumps({"input": f"Who keeps the key {i}?", "answers": ["Alice"], "_id": str(i),
+                                          "context": f"Passage 1:\n{CORPUS[1]}\nPassage 2:\n{CORPUS[i]}"})
+                              for i in (0, 2, 3)))
+    results, out = tmp_path / "rows.jsonl", tmp_path / "qa.json"
+    base = ["bench", "qa", "--data", str(data), "--modes", "reuse", "cacheclip", "--ratios", "0.2", "0.5",
+            "--max-new-tokens", "2", "--results", str(results), *_args(folders, tmp_path / "s")]
+    assert main([*base, "--limit", "1"]) == 0
+    assert len(results.read_text().splitlines()) == 1 + 4  # header, then full, reuse and cacheclip at two ratios
+    capsys.readouterr()
+    assert main([*base, "--offset", "1", "--frontier", "--json", str(out)]) == 0  # the rest, and the table of all
+    printed = capsys.readouterr().out
+    assert "resuming" in printed and "(4 rows)" in printed and "agree" in printed
+    assert "Paired differences of agreement with full attention's answer" in printed
+    assert "score at TTFT <= 0.25 of full" in printed and "score at TTFT <= 0.3 of full" in printed
+    assert len(results.read_text().splitlines()) == 1 + 3 * 4
+    assert {r["index"] for r in json.loads(out.read_text())["examples"]} == {1, 2}  # the run's own questions
+    capsys.readouterr()
+    assert main([*base, "--max-new-tokens", "3"]) == 2  # the last --max-new-tokens counts
+    assert "holds another run (max_new_tokens: 2 there, 3 here)" in capsys.readouterr().err
+    assert main([*base, "--offset", "3"]) == 2
+    assert "--offset must be in [0, 3)" in capsys.readouterr().err
+    assert main(["eval", "--limit", "1", "--modes", "reuse", "--max-new-tokens", "2", *_args(folders, tmp_path / "e")]) == 0
+    assert "F1 %full" in capsys.readouterr().out

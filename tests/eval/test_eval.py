@@ -16,6 +16,7 @@ from cacheclip_rag.eval import (
     needle,
     plots,
     qa,
+    qa_data,
     ttft,
 )
 from cacheclip_rag.eval.metrics import (
@@ -87,18 +88,6 @@ def test_character_projection_and_jaccard():
     assert top_jaccard(a, a) == 1.0
     assert top_jaccard(a, a.flip(0)) == 0.0
     assert alignment.kl(a + 1, a + 1) == pytest.approx(0.0)
-
-
-def test_qa_dataset_loader(tmp_path):
-    shipped = qa.load_dataset(qa.Path(qa.__file__).parent.parent / "data" / "qa_invented.jsonl")
-    assert len(shipped) == 32 and all(len(ex.contexts) == 4 for ex in shipped)
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"question": "q", "contexts": [], "answers": ["a"]}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: 'contexts'"):
-        qa.load_dataset(bad)
-    bad.write_bytes(b"\xff\xfe not utf8")
-    with pytest.raises(ValueError, match="UTF-8"):
-        qa.load_dataset(bad)
 
 
 def test_bootstrap_interval_is_seeded_stratified_and_brackets_the_mean():
@@ -259,7 +248,7 @@ def test_top_rows_and_their_share():
 
 
 def test_miniature_qa_and_ttft_runs(eng, tmp_path):
-    examples = qa.load_dataset(qa.Path(qa.__file__).parent.parent / "data" / "qa_invented.jsonl")[:2]
+    examples = qa_data.load(qa_data.Path(qa.__file__).parent.parent / "data" / "qa_invented.jsonl").examples[:2]
     rows = qa.summarize(qa.run(eng, examples, [("reuse", 0.0), ("cacheclip", 0.5)], max_new_tokens=3))
     assert [r["mode"] for r in rows] == ["full", "cacheclip", "reuse"]
     assert "F1 %full" in qa.table(rows)

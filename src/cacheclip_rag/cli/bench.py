@@ -316,19 +316,60 @@ def _print_frontier(args, rows: list[dict], bench: str) -> None:
                           f"{title}, {length} tokens", metric)
 
 
-def cmd_eval(args) -> int:
-    from ..eval import qa
+QA_MODES = ["full", "reuse", "cacheblend", "cacheclip", "prophetkv"]
+"""`bench qa`'s modes when none are given (with --frontier, at every ratio of FRONTIER_RATIOS)."""
+QA_BUDGETS = [0.25, 0.3]
 
-    examples = qa.load_dataset(args.dataset)
-    if args.limit:
-        examples = examples[: args.limit]
-    engine = engine_from_args(args)
-    modes = _mode_list(args.modes or ["full", "reuse", "ape", "cacheblend", "random", "cacheclip"], args.ratios)
-    results = qa.run(engine, examples, modes, max_new_tokens=args.max_new_tokens)
+
+def _bench_qa(args) -> int:
+    """Every mode on the same questions of a QA file, written as measured (--results resumes);
+    the table, paired differences of F1 and of agreement with full attention, and the frontier."""
+    from dataclasses import asdict
+
+    from ..config import ModelConfig
+    from ..eval import frontier, needle, qa, qa_data
+    from ..eval.journal import Journal
+
+    _header(args)
+    data = qa_data.load(args.data, args.format)
+    if args.offset < 0 or args.offset >= len(data.examples):
+        raise ValueError(f"--offset must be in [0, {len(data.examples)}) for the {len(data.examples)} questions of "
+                         f"{args.data}, got {args.offset}")
+    end = args.offset + args.limit if args.limit else None
+    examples = data.examples[args.offset:end]
+    args.ratios = args.ratios or (FRONTIER_RATIOS if args.frontier else [0.2])
+    modes = _mode_list(args.modes or QA_MODES, args.ratios)
+    prompt = data.prompt if args.prompt == "dataset" else None
+    engine = engine_from_args(args, prompt=prompt)
+    journal = None
+    if args.results:
+        header = dict(data=Path(args.data).name, format=data.format, questions=len(data.examples),
+                      primary=args.primary, aux=args.aux, dtype=str(ModelConfig(dtype=args.dtype).torch_dtype()),
+                      kv_dtype=args.kv_dtype, prompt=asdict(engine.config.prompt), max_new_tokens=args.max_new_tokens,
+                      score_layers=args.score_layers)
+        journal = Journal(args.results, header)
+    print(f"{len(examples)} questions of {args.data} ({data.format}; index {args.offset}..{args.offset + len(examples) - 1}), "
+          f"prompt: {args.prompt}'s" + (f"; resuming {args.results} ({len(journal.rows)} rows)" if journal else ""))
+    results = qa.run(engine, examples, modes, max_new_tokens=args.max_new_tokens, offset=args.offset,
+                     journal=journal, progress=progress_bar(len(examples), "questions", "question"))
     rows = qa.summarize(results)
     print(qa.table(rows))
+    labels = args.versus or [r["label"] for r in rows if r["mode"] == "cacheclip"]
+    pairs = [p for label in labels for metric in ("f1", "agreement") for p in qa.versus(results, rows, label, metric)]
+    for metric, what in (("f1", "gold F1"), ("agreement", "agreement with full attention's answer")):
+        chosen = [p for p in pairs if p["metric"] == metric]
+        if chosen:
+            print(f"\nPaired differences of {what} on the same questions (x100; 95% bootstrap interval; W/L):")
+            print(needle.versus_table(chosen))
+    if args.frontier:
+        pts = frontier.points(rows)
+        metric = frontier.Metric("% of full attention's F1")
+        for budget in args.budget_ttft:
+            print("\n" + frontier.table(pts, budget, None, metric))
+        if args.plot:
+            frontier.plot(pts, args.plot, args.budget_ttft[0], f"QA: {Path(args.data).name}", metric)
     if args.json:
-        qa.write_json(results, rows, args.json)
+        qa.write_json(results, rows, args.json, pairs)
     return 0
 
 
@@ -486,13 +527,33 @@ def add_commands(sub) -> None:
     _out_flags(p)
     p.set_defaults(func=_bench_load)
 
-    p = sub.add_parser("eval", help="QA from a JSON Lines file: every mode on the same examples")
-    add_common(p, store_default=str(cache_dir() / "eval-store"))
-    p.add_argument("--dataset", default=str(resources.files("cacheclip_rag") / "data" / "qa_invented.jsonl"))
+    p = benches.add_parser("qa", help="QA over given passages (CacheBlend's musique_s.json, LongBench's jsonl, or "
+                                      "this project's jsonl): every mode on the same questions, paired, resumable")
+    _qa_flags(p, data=None)
+    p.set_defaults(func=_bench_qa)
+
+    p = sub.add_parser("eval", help="QA from a file: `cacheclip bench qa`, on the shipped invented questions by default")
+    _qa_flags(p, data=str(resources.files("cacheclip_rag") / "data" / "qa_invented.jsonl"))
+    p.set_defaults(func=_bench_qa)
+
+
+def _qa_flags(p, data: str | None) -> None:
+    add_common(p, store_default=str(cache_dir() / "qa-store"))
+    p.add_argument("--data", "--dataset", dest="data", required=data is None, default=data,
+                   help="the QA file: CacheBlend's inputs/musique_s.json (github.com/YaoJiayi/CacheBlend), a LongBench "
+                        "2wikimqa / hotpotqa / musique .jsonl, or {question, contexts, answers} lines")
+    p.add_argument("--format", choices=["auto", "cacheblend", "longbench", "jsonl"], default="auto")
+    p.add_argument("--prompt", choices=["dataset", "engine"], default="dataset",
+                   help="dataset: the instruction of the dataset's own harness; engine: the engine's default prompt")
     p.add_argument("--score-layers", type=int, nargs="+", default=None, help="aux scoring layers (default: profile or last)")
-    p.add_argument("--modes", nargs="+", default=None)
-    p.add_argument("--ratios", type=float, nargs="+", default=[0.2])
-    p.add_argument("--limit", type=int, default=None, help="first N examples only")
+    _mode_flags(p, " ".join(QA_MODES), "default 0.2, with --frontier 0.1 0.2 0.3 0.4")
+    p.add_argument("--frontier", action="store_true", help="every mode over the ratios; each mode's F1 at the TTFT "
+                   "budgets and the Pareto frontier")
+    p.add_argument("--budget-ttft", type=float, nargs="+", default=QA_BUDGETS, help="TTFT / full budgets of the frontier")
+    _versus_flag(p, "the cacheclip rows")
+    p.add_argument("--offset", type=int, default=0, help="first question (0-based index in the file)")
+    p.add_argument("--limit", type=int, default=None, help="at most N questions from --offset")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--json", default=None)
-    p.set_defaults(func=cmd_eval)
+    p.add_argument("--results", default=None, metavar="JSONL",
+                   help="write each row here as it is measured; the same command with the same file resumes there")
+    _out_flags(p, "the frontier at the first budget")

@@ -10,7 +10,7 @@ import logging
 import sys
 from pathlib import Path
 
-from ..config import ChunkConfig, EngineConfig, ModelConfig, SelectConfig, StoreConfig
+from ..config import ChunkConfig, EngineConfig, ModelConfig, PromptConfig, SelectConfig, StoreConfig
 from ..engine import CacheClipEngine
 from ..models.loading import DEFAULT_AUX, DEFAULT_PRIMARY
 from ..request.options import RequestOptions
@@ -18,14 +18,15 @@ from ..request.options import RequestOptions
 log = logging.getLogger("cacheclip_rag")
 
 
-def engine_from_args(args, chunk: ChunkConfig | None = None):
-    cfg = engine_config(args, chunk)
+def engine_from_args(args, chunk: ChunkConfig | None = None, prompt: PromptConfig | None = None):
+    cfg = engine_config(args, chunk, prompt)
     log.info("loading %s (primary) and %s (aux)", args.primary, args.aux)
     return CacheClipEngine.from_pretrained(primary=args.primary, aux=args.aux, store_dir=args.store, config=cfg)
 
 
-def engine_config(args, chunk: ChunkConfig | None = None) -> EngineConfig:
-    """The engine settings the common flags give."""
+def engine_config(args, chunk: ChunkConfig | None = None, prompt: PromptConfig | None = None) -> EngineConfig:
+    """The engine settings the common flags give (with a prompt other than the default's, as a
+    QA bench sets its dataset's)."""
     layers = getattr(args, "score_layers", None)
     return EngineConfig(
         model=ModelConfig(dtype=getattr(args, "dtype", "auto"), primary_adapter=getattr(args, "primary_adapter", None)),
@@ -34,6 +35,7 @@ def engine_config(args, chunk: ChunkConfig | None = None) -> EngineConfig:
         top_k=getattr(args, "k", None) or EngineConfig().top_k,
         select=SelectConfig(score_layers=tuple(layers) if layers else None),
         packets=packets_arg(getattr(args, "adapters", "auto")),
+        prompt=prompt or PromptConfig(),
     )
 
 

@@ -1,0 +1,139 @@
+"""The QA bench: its readers on tiny files in each format, its metrics, and a resumed run."""
+
+import json
+
+import pytest
+from conftest import CORPUS
+
+from cacheclip_rag.config import ChunkConfig, EngineConfig
+from cacheclip_rag.engine import CacheClipEngine
+from cacheclip_rag.eval import qa, qa_data
+from cacheclip_rag.eval.journal import Journal
+from cacheclip_rag.eval.metrics import exact_match, token_f1
+
+CACHEBLEND = [
+    {"question": "Where was the author educated?", "answers": ["Exeter College"],
+     "ctxs": [{"title": "", "text": CORPUS[0]}, {"title": "Nabbes", "text": CORPUS[1]}]},
+    {"question": "What is the code?", "answers": ["4721-9930", "4721"], "ctxs": [{"title": "", "text": CORPUS[2]}]},
+]
+LONGBENCH = {"input": "Who keeps the key?", "answers": ["Alice"], "dataset": "hotpotqa", "_id": "ab12",
+             "context": f"Passage 1:\nKeys\n{CORPUS[1]}\nPassage 2:\nFoxes\n{CORPUS[0]}"}
+
+
+def test_cacheblend_json_reads_passages_in_order_with_its_harness_prompt(tmp_path):
+    path = tmp_path / "musique_s.json"
+    path.write_text(json.dumps(CACHEBLEND, indent=4))
+    data = qa_data.load(path)
+    assert data.format == "cacheblend" and len(data.examples) == 2
+    assert data.examples[0].contexts == [{"text": CORPUS[0]}, {"title": "Nabbes", "text": CORPUS[1]}]
+    assert data.examples[1].answers == ["4721-9930", "4721"]
+    assert "within 5 words" in data.prompt.system_prompt and "{question}" in data.prompt.question_template
+
+
+def test_longbench_jsonl_splits_its_context_at_the_passage_marks(tmp_path):
+    path = tmp_path / "hotpotqa.jsonl"
+    path.write_text(json.dumps(LONGBENCH) + "\n")
+    data = qa_data.load(path)
+    ex = data.examples[0]
+    assert data.format == "longbench" and ex.question == "Who keeps the key?" and ex.id == "ab12"
+    assert ex.contexts == [{"text": f"Keys\n{CORPUS[1]}"}, {"text": f"Foxes\n{CORPUS[0]}"}]
+    assert data.prompt.question_template.endswith("Question: {question}\nAnswer:")
+
+
+def test_own_jsonl_keeps_the_engine_prompt(tmp_path):
+    path = tmp_path / "own.jsonl"
+    path.write_text(json.dumps({"question": "q?", "contexts": ["a text", {"title": "t", "text": "b"}], "answers": ["a"]}))
+    data = qa_data.load(path)
+    assert data.format == "jsonl" and data.prompt == EngineConfig().prompt
+    assert data.examples[0].contexts == [{"text": "a text"}, {"title": "t", "text": "b"}]
+    shipped = qa_data.load(qa_data.Path(qa.__file__).parent.parent / "data" / "qa_invented.jsonl")
+    assert len(shipped.examples) == 32 and all(len(ex.contexts) == 4 for ex in shipped.examples)
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("a.json", json.dumps([CACHEBLEND[0], {**CACHEBLEND[1], "answers": []}], indent=2), r"a.json:\d+: 'answers' must"),
+    ("b.json", json.dumps([CACHEBLEND[0], {**CACHEBLEND[1], "ctxs": [{"title": "x"}]}]), r"b.json:1: each of 'ctxs'"),
+    ("c.jsonl", json.dumps(LONGBENCH) + "\n" + json.dumps({**LONGBENCH, "input": ""}), r"c.jsonl:2: 'input' must"),
+    ("d.jsonl", json.dumps(LONGBENCH) + "\n{not json", r"d.jsonl:2: not JSON"),
+    ("e.jsonl", json.dumps({"q": 1}), r"e.jsonl:1: cannot tell the format"),
+    ("f.jsonl", '{"question": "q", "contexts": [], "answers": ["a"]}', r"f.jsonl:1: 'contexts' must"),
+    ("g.json", "[" + json.dumps(CACHEBLEND[0]) + ",\n{\"question\": }]", r"g.json:2: not JSON"),
+    ("h.jsonl", "", r"holds no examples"),
+])
+def test_a_malformed_file_names_the_line_and_the_field(tmp_path, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        qa_data.load(path)
+
+
+def test_the_line_named_is_where_the_item_starts(tmp_path):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps([CACHEBLEND[0], {**CACHEBLEND[1], "question": 3}], indent=4))
+    second = path.read_text().splitlines().index("    {", 2) + 1
+    with pytest.raises(ValueError, match=rf"m.json:{second}: 'question'"):
+        qa_data.load(path)
+    with pytest.raises(ValueError, match="does not exist"):
+        qa_data.load(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="format must be one of"):
+        qa_data.load(path, format="squad")
+
+
+def test_the_scored_answer_and_agreement_are_hand_computable():
+    assert qa.answer_of("\n\n Exeter College \nThe author studied there.") == "Exeter College"
+    assert qa.answer_of("") == ""
+    # "exeter college oxford" against "exeter college": precision 2/3, recall 1: F1 0.8
+    assert token_f1("Exeter College, Oxford", "Exeter College") == pytest.approx(0.8)
+    assert exact_match("The Exeter college.", "exeter College") == 1.0
+
+
+def test_journal_refuses_another_run_and_drops_a_torn_last_row(tmp_path):
+    path = tmp_path / "r.jsonl"
+    journal = Journal(path, {"primary": "a", "data": "x.json"})
+    journal.append({"index": 0, "mode": "full", "ratio": 1.0})
+    with open(path, "a") as f:
+        f.write('{"index": 0, "mode": "reu')  # killed mid-write
+    again = Journal(path, {"primary": "a", "data": "x.json"})
+    assert again.keys(("index", "mode")) == {(0, "full")}
+    assert path.read_text().count("\n") == 2  # header and the one whole row
+    with pytest.raises(ValueError, match=r"holds another run \(primary: 'a' there, 'b' here\)"):
+        Journal(path, {"primary": "b", "data": "x.json"})
+    (tmp_path / "other.jsonl").write_text('{"x": 1}\n')
+    with pytest.raises(ValueError, match="not a bench journal"):
+        Journal(tmp_path / "other.jsonl", {})
+
+
+def _engine(tiny_pair, store, prompt):
+    cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=48, overlap_tokens=0), prompt=prompt)
+    return CacheClipEngine(*tiny_pair, store, cfg)
+
+
+def test_a_resumed_run_continues_from_its_journal_and_gives_the_same_table(tiny_pair, tmp_path):
+    path = tmp_path / "musique_s.json"
+    path.write_text(json.dumps(CACHEBLEND))
+    data = qa_data.load(path)
+    eng = _engine(tiny_pair, tmp_path / "s", data.prompt)
+    modes = [("reuse", 0.0), ("cacheclip", 0.5)]
+    whole = qa.run(eng, data.examples, modes, max_new_tokens=3)
+    header = {"data": path.name, "primary": "tiny"}
+    first = Journal(tmp_path / "r.jsonl", header)
+    qa.run(eng, data.examples[:1], modes, max_new_tokens=3, journal=first)  # stopped after one question
+    assert len(first.rows) == 3
+    steps = []
+    resumed = qa.run(eng, data.examples, modes, max_new_tokens=3, journal=Journal(tmp_path / "r.jsonl", header),
+                     progress=steps.append)
+    assert len(steps) == 2 and len(Journal(tmp_path / "r.jsonl", header).rows) == 6  # question 0 not measured again
+    answers = lambda rs: [(r.index, r.mode, r.ratio, r.answer, r.f1, r.agreement) for r in rs]  # noqa: E731
+    assert answers(resumed) == answers(whole)
+    timeless = lambda rows: [{k: v for k, v in r.items() if "ttft" not in k} for r in rows]  # noqa: E731
+    assert json.dumps(timeless(qa.summarize(resumed))) == json.dumps(timeless(qa.summarize(whole)))  # nan == nan
+    full = [r for r in whole if r.mode == "full"]
+    assert all(r.agreement == 1.0 and r.ttft_vs_full == 1.0 for r in full)
+    for r in whole:
+        assert r.agreement == pytest.approx(token_f1(r.answer, full[r.index].answer))
+    rows = qa.summarize(whole)
+    assert [r["label"] for r in rows] == ["full", "cacheclip@0.5", "reuse"]
+    pairs = qa.versus(whole, rows, "cacheclip@0.5", "agreement")
+    assert {p["other"] for p in pairs} == {"full", "reuse"} and all(p["samples"] == 2 for p in pairs)
+    with pytest.raises(ValueError, match="no bench row is labelled 'x'"):
+        qa.versus(whole, rows, "x")
