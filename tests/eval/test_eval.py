@@ -317,3 +317,22 @@ def test_bench_cacheclip_variants_set_their_request_options():
     assert request_for("cacheclip-chunk", "keep") == dict(mode="cacheclip", budget="keep", aux_context="chunk")
     assert request_for("cacheclip-paper", "keep") == dict(mode="cacheclip", budget="paper", score_layers=(-1,))
     assert request_for("prophetkv", "keep") == dict(mode="prophetkv", budget="keep")
+
+
+def test_a_resumed_needle_run_measures_only_what_its_journal_lacks(eng, tmp_path):
+    from cacheclip_rag.eval.journal import Journal
+
+    modes = [("reuse", 0.0), ("cacheclip", 0.3)]
+    kw = dict(variants=["single_2"], lengths=[150], max_new_tokens=3)
+    whole = needle.run(eng, modes, samples=2, **kw)
+    first = Journal(tmp_path / "n.jsonl", {"primary": "tiny"})
+    needle.run(eng, modes, samples=1, journal=first, **kw)  # stopped after one sample
+    assert len(first.rows) == 3
+    steps = []
+    resumed = needle.run(eng, modes, samples=2, journal=Journal(tmp_path / "n.jsonl", {"primary": "tiny"}),
+                         progress=steps.append, **kw)
+    assert steps[0].endswith("(measured before)") and len(Journal(tmp_path / "n.jsonl", {"primary": "tiny"}).rows) == 6
+    same = lambda rs: sorted((r.seed, r.mode, r.ratio, r.answer, r.score) for r in rs)  # noqa: E731
+    assert same(resumed) == same(whole)
+    scores = lambda rs: [(r["label"], r["avg"], r["avg_ci95"]) for r in needle.summarize(rs)]  # noqa: E731
+    assert scores(resumed) == scores(whole)

@@ -273,9 +273,10 @@ def _bench_niah(args) -> int:
         engine = _engine(args)
         default = FRONTIER_MODES if args.frontier else ["full", "reuse", "ape", "cacheblend", "epic", "random", "cacheclip"]
         modes = _mode_list(args.modes or default, args.ratios)
+        journal = _journal(args, budget=args.budget, chunk_tokens=args.chunk_tokens)
         results = needle.run(engine, modes, variants=args.variants, lengths=args.lengths, samples=args.samples,
                              seed=args.seed, max_new_tokens=args.max_new_tokens, progress=progress(args),
-                             budget=args.budget)
+                             budget=args.budget, journal=journal)
     rows = needle.summarize(results)
     print(needle.table(rows))
     pairs = _print_versus(args, results, rows, "score",
@@ -291,6 +292,22 @@ def _bench_niah(args) -> int:
         plots.quality_vs_ratio(rows, stem.with_name(stem.stem + "-quality.png"))
         plots.ttft_breakdown(rows, stem.with_name(stem.stem + "-ttft.png"))
     return 0
+
+
+def _journal(args, **settings):
+    """The --results journal of a bench, its header the settings its rows depend on (None without
+    --results)."""
+    from ..config import ModelConfig
+    from ..eval.journal import Journal
+
+    if not args.results:
+        return None
+    header = {"primary": args.primary, "aux": args.aux, "dtype": str(ModelConfig(dtype=args.dtype).torch_dtype()),
+              "kv_dtype": args.kv_dtype, "max_new_tokens": args.max_new_tokens, "score_layers": args.score_layers,
+              **settings}
+    journal = Journal(args.results, header)
+    print(f"resuming {args.results} ({len(journal.rows)} rows)" if journal.rows else f"rows go to {args.results}")
+    return journal
 
 
 FRONTIER_MODES = ["full", "reuse", "cacheblend", "epic", "random", "cacheclip", "prophetkv"]
@@ -326,9 +343,7 @@ def _bench_qa(args) -> int:
     the table, paired differences of F1 and of agreement with full attention, and the frontier."""
     from dataclasses import asdict
 
-    from ..config import ModelConfig
     from ..eval import frontier, needle, qa, qa_data
-    from ..eval.journal import Journal
 
     _header(args)
     data = qa_data.load(args.data, args.format)
@@ -341,15 +356,10 @@ def _bench_qa(args) -> int:
     modes = _mode_list(args.modes or QA_MODES, args.ratios)
     prompt = data.prompt if args.prompt == "dataset" else None
     engine = engine_from_args(args, prompt=prompt)
-    journal = None
-    if args.results:
-        header = dict(data=Path(args.data).name, format=data.format, questions=len(data.examples),
-                      primary=args.primary, aux=args.aux, dtype=str(ModelConfig(dtype=args.dtype).torch_dtype()),
-                      kv_dtype=args.kv_dtype, prompt=asdict(engine.config.prompt), max_new_tokens=args.max_new_tokens,
-                      score_layers=args.score_layers)
-        journal = Journal(args.results, header)
     print(f"{len(examples)} questions of {args.data} ({data.format}; index {args.offset}..{args.offset + len(examples) - 1}), "
-          f"prompt: {args.prompt}'s" + (f"; resuming {args.results} ({len(journal.rows)} rows)" if journal else ""))
+          f"prompt: {args.prompt}'s")
+    journal = _journal(args, data=Path(args.data).name, format=data.format, questions=len(data.examples),
+                       prompt=asdict(engine.config.prompt))
     results = qa.run(engine, examples, modes, max_new_tokens=args.max_new_tokens, offset=args.offset,
                      journal=journal, progress=progress_bar(len(examples), "questions", "question"))
     rows = qa.summarize(results)
@@ -409,6 +419,12 @@ def _frontier_flags(p) -> None:
     p.add_argument("--budget-ttft", type=float, default=0.25, help="the TTFT / full budget the frontier is read at")
 
 
+def _results_flag(p) -> None:
+    p.add_argument("--results", default=None, metavar="JSONL",
+                   help="write each row here as it is measured; the same command with the same file resumes there "
+                        "(a file of other settings is refused)")
+
+
 def _out_flags(p, plot: str | None = None) -> None:
     p.add_argument("--json", default=None, help="write results as JSON here")
     if plot:
@@ -429,6 +445,7 @@ def add_commands(sub) -> None:
     p.add_argument("--from", dest="from_json", nargs="+", default=None, metavar="JSON",
                    help="pool these saved runs (disjoint seeds, or other modes on the same samples) instead of "
                         "running; TAG=JSON puts a run under a tag (tuned=run.json: rows tuned/full, ...)")
+    _results_flag(p)
     _out_flags(p, "-quality, -ttft, -frontier-LENGTH")
     p.set_defaults(func=_bench_niah)
 
@@ -554,6 +571,5 @@ def _qa_flags(p, data: str | None) -> None:
     p.add_argument("--offset", type=int, default=0, help="first question (0-based index in the file)")
     p.add_argument("--limit", type=int, default=None, help="at most N questions from --offset")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--results", default=None, metavar="JSONL",
-                   help="write each row here as it is measured; the same command with the same file resumes there")
+    _results_flag(p)
     _out_flags(p, "the frontier at the first budget")

@@ -20,6 +20,7 @@ from pathlib import Path
 from ..engine import CacheClipEngine
 from ..offline.niah import VARIANTS, NeedleSample, generate, score
 from ..request import selector as registry
+from .journal import Journal
 from .stats import bootstrap_interval, mean_of_means
 
 log = logging.getLogger(__name__)
@@ -84,17 +85,26 @@ def run(
     max_new_tokens: int = 64,
     progress=None,
     budget: str = "paper",
+    journal: Journal | None = None,
 ) -> list[NeedleResult]:
-    """modes: (mode, ratio) pairs; full (ratio 1) is always run, as the reference."""
+    """modes: (mode, ratio) pairs; full (ratio 1) is always run, as the reference. Rows already in
+    `journal` are kept and not measured again (a sample whose every mode is there is not even
+    ingested); each new row is appended to it once its sample is done."""
     modes = with_full(modes)
     packets = uses_packets(modes)
-    results: list[NeedleResult] = []
-    for length, variant, sample_seed, sample, ids in suite(engine, variants, lengths, samples, seed, progress, packets):
+    done = journal.keys(KEY) if journal else set()
+    results: list[NeedleResult] = [NeedleResult(**row) for row in journal.rows] if journal else []
+
+    def measured(length: int, variant: str, sample_seed: int) -> bool:
+        return all((length, variant, sample_seed, m, r) in done for m, r in modes)
+
+    for length, variant, sample_seed, sample, ids in suite(engine, variants, lengths, samples, seed, progress, packets,
+                                                           skip=measured):
         layouts = {on: _needle_rows(engine, sample, ids, on) for on in {_on_packets(m) for m, _ in modes}}
         oracle: dict[float, set[int]] = {}  # ratio -> the oracle's chunk rows, when it runs
         rows_of: list[tuple[NeedleResult, set[int]]] = []
         full_ttft = None
-        for mode, ratio in modes:
+        for mode, ratio in modes:  # a sample half measured when a run stopped is measured again whole
             ans = engine.answer(sample.question, chunk_ids=ids, recompute_ratio=ratio,
                                 max_new_tokens=max_new_tokens, seed=sample_seed, **request_for(mode, budget))
             needle_rows, chunk_rows = layouts[_on_packets(mode)]
@@ -117,7 +127,27 @@ def run(
         for result, recomputed in rows_of:  # overlap with the oracle's rows at the same ratio
             if result.ratio in oracle:
                 result.oracle_overlap = _jaccard(recomputed, oracle[result.ratio])
-    return results
+        if journal:
+            for result, _ in rows_of:
+                if _key_of(result) not in done:
+                    journal.append(asdict(result))
+    wanted = {(m, r) for m, r in modes}
+    return [r for r in _unique(results) if (r.mode, r.ratio) in wanted and r.length in lengths
+            and r.variant in (variants or VARIANTS) and seed <= r.seed < seed + samples]
+
+
+KEY = ("length", "variant", "seed", "mode", "ratio")
+"""What identifies a measured needle row."""
+
+
+def _key_of(r: NeedleResult) -> tuple:
+    return tuple(getattr(r, f) for f in KEY)
+
+
+def _unique(results: list[NeedleResult]) -> list[NeedleResult]:
+    """The last row of each key: a sample measured again whole after a stop replaces its earlier
+    rows from the journal."""
+    return list({_key_of(r): r for r in results}.values())
 
 
 def _on_packets(mode: str) -> bool:
@@ -138,11 +168,13 @@ def suite(
     seed: int,
     progress=None,
     packets: bool = False,
+    skip=None,
 ) -> Iterator[tuple[int, str, int, NeedleSample, list[str]]]:
     """The samples a needle-suite bench runs on, generated and ingested (with their KV Packet
     caches when `packets`, so no timed request builds them), one at a time: (length, variant,
     seed, sample, chunk ids). Evaluation seeds must stay below the calibration seeds (ValueError
-    before anything runs); progress(message) is called after each sample."""
+    before anything runs); progress(message) is called after each sample; skip(length, variant,
+    seed) -> True passes a sample over unbuilt (it is already measured)."""
     from ..offline.calibrate import CALIBRATION_SEED_BASE
 
     if seed + samples > CALIBRATION_SEED_BASE:
@@ -151,6 +183,10 @@ def suite(
     for length in lengths:
         for variant in variants:
             for i in range(samples):
+                if skip and skip(length, variant, seed + i):
+                    if progress:
+                        progress(f"{length} {variant} sample {i + 1}/{samples} (measured before)")
+                    continue
                 sample = generate(variant, length, seed + i, engine.primary.lm.tokenizer)
                 ids = engine.ingest([sample.context], progress=False, packets=packets)
                 yield length, variant, seed + i, sample, ids
