@@ -14,7 +14,7 @@ from cacheclip_rag.eval.metrics import exact_match, token_f1
 CACHEBLEND = [
     {"question": "Where was the author educated?", "answers": ["Exeter College"],
      "ctxs": [{"title": "", "text": CORPUS[0]}, {"title": "Nabbes", "text": CORPUS[1]}]},
-    {"question": "What is the code?", "answers": ["4721-9930", "4721"], "ctxs": [{"title": "", "text": CORPUS[2]}]},
+    {"question": "What is the code?", "answers": ["4721-9930", "4721"], "ctxs": [{"title": "", "text": CORPUS[2]}, {"title": "", "text": CORPUS[1]}]},
 ]
 LONGBENCH = {"input": "Who keeps the key?", "answers": ["Alice"], "dataset": "hotpotqa", "_id": "ab12",
              "context": f"Passage 1:\nKeys\n{CORPUS[1]}\nPassage 2:\nFoxes\n{CORPUS[0]}"}
@@ -128,6 +128,12 @@ def test_a_resumed_run_continues_from_its_journal_and_gives_the_same_table(tiny_
     timeless = lambda rows: [{k: v for k, v in r.items() if "ttft" not in k} for r in rows]  # noqa: E731
     assert json.dumps(timeless(qa.summarize(resumed))) == json.dumps(timeless(qa.summarize(whole)))  # nan == nan
     full = [r for r in whole if r.mode == "full"]
+    reuse = [r for r in whole if r.mode == "reuse"]
+    assert [r.recomputed_by_passage for r in full] == [[1.0, 1.0], [1.0, 1.0]]
+    assert [r.recomputed_by_passage for r in reuse] == [[0.0, 0.0], [0.0, 0.0]]
+    assert [r.gold_passages for r in full] == [[], [1]]  # the second passage of question 1 holds "4721-9930"
+    summary = {r["label"]: r for r in qa.summarize(whole)}
+    assert summary["full"]["gold_share"] == 1.0 and summary["reuse"]["gold_share"] == 0.0
     assert all(r.agreement == 1.0 and r.ttft_vs_full == 1.0 for r in full)
     for r in whole:
         assert r.agreement == pytest.approx(token_f1(r.answer, full[r.index].answer))

@@ -13,13 +13,17 @@ Rows are written to a `Journal` as they are measured: the same command with the 
 `--results` file resumes where a stopped run ended and prints the table an uninterrupted run
 would (TTFT / full of a resumed question compares times of one session, as each question's
 modes run together).
+
+Where the answer is: each row also records which passages hold a gold answer and the share of
+each passage's tokens the mode recomputed; the table's gold% / rest% are the mean recomputed
+share of the passages that hold the answer and of the others.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..engine import CacheClipEngine
@@ -53,6 +57,10 @@ class QAResult:
     ttft_vs_full: float
     effective_fraction: float
     prompt_tokens: int
+    gold_passages: list[int] = field(default_factory=list)
+    """Passages (0-based, in order) whose text holds a gold answer: where the answer is."""
+    recomputed_by_passage: list[float] = field(default_factory=list)
+    """Per passage, the share of its tokens this mode recomputed (1 for full, 0 for reuse)."""
 
 
 def answer_of(prediction: str) -> str:
@@ -80,8 +88,9 @@ def run(
         if todo:
             full = next((r for r in results if r.index == index and r.mode == "full"), None)
             ids = engine.ingest([dict(c) for c in ex.contexts], progress=False, split=False, packets=packets)
+            spans = passage_spans(engine, ex, ids)
             for mode, ratio in todo:  # full first: with_full puts it there and todo keeps the order
-                result = _answer(engine, index, ex, mode, ratio, ids, max_new_tokens, full)
+                result = _answer(engine, index, ex, mode, ratio, ids, max_new_tokens, full, spans)
                 full = result if mode == "full" else full
                 results.append(result)
                 if journal:
@@ -92,12 +101,21 @@ def run(
     return [r for r in results if r.index in wanted and (r.mode, r.ratio) in modes]
 
 
+def passage_spans(engine: CacheClipEngine, ex: QAExample, ids: list[str]) -> list[tuple[int, int, bool]]:
+    """Per passage in the request's layout: (first row, end row, whether its text holds a gold
+    answer). A passage is one chunk (ingested unsplit), so the chunk segments are the passages."""
+    layout = engine.prepare(ex.question, ids, mode="full").layout
+    golds = [normalize(a) for a in ex.answers]
+    return [(seg.start, seg.end, any(g and g in normalize(seg.text) for g in golds)) for seg in layout.chunk_segments()]
+
+
 def _answer(engine, index: int, ex: QAExample, mode: str, ratio, ids: list[str], max_new_tokens: int,
-            full: QAResult | None) -> QAResult:
+            full: QAResult | None, spans: list[tuple[int, int, bool]]) -> QAResult:
     ans = engine.answer(ex.question, chunk_ids=ids, recompute_ratio=ratio, max_new_tokens=max_new_tokens,
                         **request_for(mode, "keep"))
     answer = answer_of(ans.text)
     ttft = ans.timings["ttft"]
+    recomputed = set(ans.recomputed)
     return QAResult(
         index=index, id=ex.id, mode=mode, ratio=ratio, prediction=ans.text, answer=answer,
         f1=best_of(token_f1, answer, ex.answers), em=best_of(exact_match, answer, ex.answers),
@@ -106,6 +124,8 @@ def _answer(engine, index: int, ex: QAExample, mode: str, ratio, ids: list[str],
         agreement=1.0 if full is None else token_f1(answer, full.answer),
         ttft=ttft, ttft_vs_full=1.0 if full is None else ttft / full.ttft,
         effective_fraction=ans.effective_fraction, prompt_tokens=ans.prompt_tokens,
+        gold_passages=[i for i, (_, _, gold) in enumerate(spans) if gold],
+        recomputed_by_passage=[len(recomputed.intersection(range(a, b))) / (b - a) for a, b, _ in spans],
     )
 
 
@@ -134,9 +154,21 @@ def summarize(results: list[QAResult]) -> list[dict]:
             effective_fraction=statistics.mean(r.effective_fraction for r in sel),
             ttft=statistics.median(r.ttft for r in sel), ttft_vs_full=statistics.median(r.ttft_vs_full for r in sel),
             prompt_tokens=statistics.median(r.prompt_tokens for r in sel),
+            gold_share=_nanmean([_share(r, True) for r in sel]), other_share=_nanmean([_share(r, False) for r in sel]),
         ))
         rows[-1].update(avg=rows[-1]["f1"], avg_ci95=rows[-1]["f1_ci95"])  # the frontier's names
     return rows
+
+
+def _share(r: QAResult, gold: bool) -> float:
+    """Mean recomputed share of the passages that hold a gold answer (gold) or of the others."""
+    shares = [x for i, x in enumerate(r.recomputed_by_passage) if (i in r.gold_passages) == gold]
+    return statistics.mean(shares) if shares else float("nan")
+
+
+def _nanmean(values: list[float]) -> float:
+    values = [v for v in values if v == v]
+    return statistics.mean(values) if values else float("nan")
 
 
 def versus(results: list[QAResult], rows: list[dict], label_: str, metric: str = "f1") -> list[dict]:
@@ -164,13 +196,14 @@ def versus(results: list[QAResult], rows: list[dict], label_: str, metric: str =
 
 def table(rows: list[dict]) -> str:
     head = (f"{'mode':<20} {'n':>3} {'F1':>6} {'95% CI':>12} {'EM':>6} {'contains':>8} {'agree':>6} {'95% CI':>12} "
-            f"{'F1 %full':>8} {'eff%':>5} {'TTFT/full':>9}")
+            f"{'F1 %full':>8} {'eff%':>5} {'gold%':>5} {'rest%':>5} {'TTFT/full':>9}")
     lines = [head, "-" * len(head)]
     ci = lambda pair: "[{:.1f}, {:.1f}]".format(*(100 * x for x in pair))  # noqa: E731
     for r in rows:
         lines.append(f"{r['label']:<20} {r['n']:>3} {100 * r['f1']:>6.1f} {ci(r['f1_ci95']):>12} {100 * r['em']:>6.1f} "
                      f"{100 * r['contains']:>8.1f} {100 * r['agreement']:>6.1f} {ci(r['agreement_ci95']):>12} "
-                     f"{r['pct_of_full']:>8.1f} {100 * r['effective_fraction']:>5.1f} {r['ttft_vs_full']:>9.3f}")
+                     f"{r['pct_of_full']:>8.1f} {100 * r['effective_fraction']:>5.1f} {100 * r['gold_share']:>5.1f} "
+                     f"{100 * r['other_share']:>5.1f} {r['ttft_vs_full']:>9.3f}")
     return "\n".join(lines)
 
 
