@@ -65,3 +65,10 @@ def test_the_default_pair_ships_valid_profiles_and_other_pairs_none():
     assert shipped and all(p.source == "shipped" for p in shipped)
     assert [p.length for p in shipped] == sorted(p.length for p in shipped)
     assert profile_source.shipped("/some/folder", "smollm2-135m-instruct") == []
+
+
+def test_the_1_5b_pair_ships_its_own_profile():
+    shipped = profile_source.shipped("qwen2.5-coder-1.5b-instruct", "smollm2-135m-instruct")
+    assert [p.length for p in shipped] == [2048] and shipped[0].source == "shipped"
+    assert shipped[0].aux_layers == (21, 22) != profile_source.shipped("qwen2.5-coder-0.5b-instruct",
+                                                                  "smollm2-135m-instruct")[0].aux_layers
