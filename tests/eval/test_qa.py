@@ -77,6 +77,9 @@ def test_the_line_named_is_where_the_item_starts(tmp_path):
         qa_data.load(tmp_path / "missing.json")
     with pytest.raises(ValueError, match="format must be one of"):
         qa_data.load(path, format="squad")
+    path.write_bytes(b"\xff\xfe not utf8")
+    with pytest.raises(ValueError, match="m.json is not valid UTF-8"):
+        qa_data.load(path)
 
 
 def test_the_scored_answer_and_agreement_are_hand_computable():

@@ -13,6 +13,7 @@ from pathlib import Path
 from ..config import ChunkConfig, EngineConfig, ModelConfig, PromptConfig, SelectConfig, StoreConfig
 from ..engine import CacheClipEngine
 from ..models.loading import DEFAULT_AUX, DEFAULT_PRIMARY
+from ..paths import read_user_text
 from ..request.options import RequestOptions
 
 log = logging.getLogger("cacheclip_rag")
@@ -53,12 +54,7 @@ def read_documents(paths: list[str]) -> list:
     docs: list = []
     for name in paths:
         path = Path(name)
-        if not path.is_file():
-            raise ValueError(f"document file {name!r} does not exist")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as err:
-            raise ValueError(f"{name} is not valid UTF-8 text ({err.reason} at byte {err.start})") from None
+        text = read_user_text(path, "document file")
         if path.suffix == ".jsonl":
             for n, line in enumerate(text.splitlines(), 1):
                 if line.strip():

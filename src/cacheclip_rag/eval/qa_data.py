@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import PromptConfig
+from ..paths import read_user_text
 
 FORMATS = ("auto", "cacheblend", "longbench", "jsonl")
 
@@ -74,12 +75,7 @@ def load(path: str | Path, format: str = "auto") -> QADataset:
     if format not in FORMATS:
         raise ValueError(f"format must be one of {list(FORMATS)}, got {format!r}")
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"dataset {str(path)!r} does not exist")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path} is not valid UTF-8 ({err.reason} at byte {err.start})") from None
+    text = read_user_text(path, "dataset")
     items = _json_array(path, text) if text.lstrip().startswith("[") else _json_lines(path, text)
     if not items:
         raise ValueError(f"dataset {path} holds no examples")
