@@ -104,7 +104,7 @@ def run(
         oracle: dict[float, set[int]] = {}  # ratio -> the oracle's chunk rows, when it runs
         rows_of: list[tuple[NeedleResult, set[int]]] = []
         full_ttft = None
-        for mode, ratio in modes:  # a sample half measured when a run stopped is measured again whole
+        for mode, ratio in modes:  # a sample the journal holds only some modes of is measured again whole
             ans = engine.answer(sample.question, chunk_ids=ids, recompute_ratio=ratio,
                                 max_new_tokens=max_new_tokens, seed=sample_seed, **request_for(mode, budget))
             needle_rows, chunk_rows = layouts[_on_packets(mode)]
