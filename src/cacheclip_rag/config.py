@@ -121,6 +121,10 @@ class PromptConfig:
     The shared prefix is the system prompt as each model's chat template renders it, up to
     where the user content begins; every chunk is prefilled after it. The question segment
     closes the user turn and opens the assistant turn.
+
+    question_first: a template with '{question}' placed before the chunks as well (empty: off).
+    It is computed fresh with each request, so the chunk rows a mode recomputes (and a full
+    prefill) read the question before the passages; the reused rows were encoded without it.
     """
 
     system_prompt: str = (
@@ -129,12 +133,12 @@ class PromptConfig:
     )
     separator: str = "\n\n"
     question_template: str = "\n\nQuestion: {question}\nAnswer briefly."
+    question_first: str = ""
 
     def __post_init__(self) -> None:
-        if "{question}" not in self.question_template:
-            raise ValueError(
-                f"question_template must contain '{{question}}', got {self.question_template!r}"
-            )
+        for name in ("question_template", *(("question_first",) if self.question_first else ())):
+            if "{question}" not in getattr(self, name):
+                raise ValueError(f"{name} must contain '{{question}}', got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)

@@ -146,3 +146,33 @@ def test_a_resumed_run_continues_from_its_journal_and_gives_the_same_table(tiny_
     assert {p["other"] for p in pairs} == {"full", "reuse"} and all(p["samples"] == 2 for p in pairs)
     with pytest.raises(ValueError, match="no bench row is labelled 'x'"):
         qa.versus(whole, rows, "x")
+
+
+def test_the_diagnosis_measures_each_mode_against_full_attention_and_its_attention_oracle(tiny_pair, tmp_path):
+    from cacheclip_rag.eval import qa_diagnose
+
+    path = tmp_path / "musique_s.json"
+    path.write_text(json.dumps(CACHEBLEND))
+    data = qa_data.load(path)
+    eng = _engine(tiny_pair, tmp_path / "s", data.prompt)
+    modes = [("reuse", 0.0), ("cacheclip", 0.3), ("prophetkv", 0.3), ("cacheclip-passage", 0.3), (qa_diagnose.ORACLE, 0.3)]
+    results = qa_diagnose.run(eng, [(1, data.examples[1])], modes, answer_tokens=3)
+    (q,) = results
+    layout = eng.prepare(data.examples[1].question, eng.ingest([dict(c) for c in data.examples[1].contexts],
+                                                                   progress=False, split=False)).layout
+    lens = [seg.end - seg.start for seg in layout.chunk_segments()]
+    assert q.index == 1 and q.gold_passages == [1] and sum(q.oracle_mass) == pytest.approx(1.0, abs=1e-4)
+    assert len(q.aux_mass) == 2 and sum(q.aux_mass) == pytest.approx(1.0, abs=1e-4)
+    rows = {r.mode: r for r in q.rows}
+    assert rows["reuse"].held == 0.0 and rows["reuse"].effective_fraction == 0.0 and rows["reuse"].gold == 0.0
+    oracle = rows[qa_diagnose.ORACLE]
+    assert oracle.overlap == 1.0 and oracle.held >= rows["prophetkv"].held - 1e-6  # the same count, the most mass
+    assert all(r.kl >= 0 and 0 <= r.top1 <= 1 for r in q.rows)
+    summary = qa_diagnose.summarize(results, answered_only=False)
+    assert [r["label"] for r in summary] == ["reuse", "attention@0.3", "cacheclip@0.3", "cacheclip-passage@0.3",
+                                             "prophetkv@0.3"]
+    assert rows["cacheclip-passage"].effective_fraction in {n / sum(lens) for n in lens}  # one whole passage
+    assert rows["cacheclip-passage"].gold in (0.0, 1.0)
+    assert "attention@0.3" in qa_diagnose.question_table(results) and "KL 1st" in qa_diagnose.table(summary)
+    with pytest.raises(ValueError, match=r"\['cacheblend'\] have none"):
+        qa_diagnose.run(eng, [(1, data.examples[1])], [("cacheblend", 0.3)])

@@ -295,3 +295,30 @@ def test_a_request_is_frozen_and_its_stages_return_what_they_found(engine):
     answer = stream.collect()
     assert dataclasses.asdict(prepared.request) == before
     assert len(stream.trace) == 3 and answer.timings["ttft"] > 0 and answer.generated_tokens <= 2
+
+
+def test_question_first_puts_the_question_before_the_chunks_and_keeps_the_oracles(tiny_pair, tmp_path):
+    from cacheclip_rag.config import PromptConfig
+    from cacheclip_rag.request.assemble import ape_positions
+
+    prompt = PromptConfig(question_first="Question: {question}\n\n")
+    eng = CacheClipEngine(*tiny_pair, tmp_path / "store", EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4),
+                                                                         prompt=prompt))
+    ids = eng.ingest(CORPUS, progress=False)[:3]
+    layout = eng.prepare(QUESTION, ids).layout
+    first = layout.segments[0]
+    assert not first.cached and QUESTION in first.text and layout.segments[1].cached
+    assert first.start == layout.prefix_len and set(range(first.start, first.end)) <= set(layout.uncached_rows().tolist())
+    full = eng.answer(QUESTION, chunk_ids=ids, mode="full", max_new_tokens=6)
+    lm = eng.primary.lm
+    with torch.inference_mode():
+        out = lm.model.generate(layout.input_ids[None].to(lm.device), max_new_tokens=6, do_sample=False)
+    assert full.text == lm.tokenizer.decode(out[0, layout.num_tokens:], skip_special_tokens=True)  # a plain prefill
+    clip1 = eng.answer(QUESTION, chunk_ids=ids, mode="cacheclip", recompute_ratio=1.0, max_new_tokens=6)
+    assert clip1.text == full.text
+    reuse = eng.answer(QUESTION, chunk_ids=ids, mode="reuse", max_new_tokens=6)
+    assert set(range(first.start, first.end)) <= set(reuse.recomputed)  # computed fresh, never from the store
+    starts = {int(ape_positions(layout)[s.start]) for s in layout.chunk_segments()}
+    assert starts == {first.end}  # APE's parallel chunks start after it, not on top of it
+    with pytest.raises(ValueError, match="question_first must contain"):
+        PromptConfig(question_first="no placeholder")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from importlib import resources
 from pathlib import Path
 
-from ..config import AUTO, ChunkConfig
+from ..config import AUTO, ChunkConfig, EngineConfig
 from ..eval import oracle  # noqa: F401  (registers the analysis-only oracle mode for bench and ask)
 from ..hardware import describe as describe_cpu
 from ..paths import cache_dir
@@ -353,8 +354,18 @@ def _bench_qa(args) -> int:
     end = args.offset + args.limit if args.limit else None
     examples = data.examples[args.offset:end]
     args.ratios = args.ratios or (FRONTIER_RATIOS if args.frontier else [0.2])
-    modes = _mode_list(args.modes or QA_MODES, args.ratios)
     prompt = data.prompt if args.prompt == "dataset" else None
+    if args.question_first:
+        prompt = dataclasses.replace(prompt or EngineConfig().prompt, question_first=args.question_first)
+    if args.indices and not args.diagnose:
+        raise ValueError("--indices chooses the questions of --diagnose; a QA run takes --offset / --limit")
+    if args.diagnose:
+        chosen = args.indices or list(range(args.offset, args.offset + len(examples)))
+        bad = [i for i in chosen if not 0 <= i < len(data.examples)]
+        if bad:
+            raise ValueError(f"--indices must be in [0, {len(data.examples)}) for {args.data}, got {bad}")
+        return _qa_diagnose(args, [(i, data.examples[i]) for i in chosen], engine_from_args(args, prompt=prompt))
+    modes = _mode_list(args.modes or QA_MODES, args.ratios)
     engine = engine_from_args(args, prompt=prompt)
     print(f"{len(examples)} questions of {args.data} ({data.format}; index {args.offset}..{args.offset + len(examples) - 1}), "
           f"prompt: {args.prompt}'s")
@@ -380,6 +391,26 @@ def _bench_qa(args) -> int:
             frontier.plot(pts, args.plot, args.budget_ttft[0], f"QA: {Path(args.data).name}", metric)
     if args.json:
         qa.write_json(results, rows, args.json, pairs)
+    return 0
+
+
+def _qa_diagnose(args, items, engine) -> int:
+    """`bench qa --diagnose`: KL from full attention, the oracle's attention held, the gold
+    passages' recompute, per mode and per question."""
+    from ..eval import qa_diagnose
+
+    names = [m for m in args.modes or ("reuse", "cacheclip", "prophetkv", qa_diagnose.ORACLE) if m != "full"]
+    served = [m for m in names if m != qa_diagnose.ORACLE]
+    modes = _mode_list(served, args.ratios) if served else []
+    modes += [(qa_diagnose.ORACLE, r) for r in args.ratios if qa_diagnose.ORACLE in names]
+    print(f"diagnosis of {len(items)} questions (index {[i for i, _ in items]}), modes {modes}")
+    results = qa_diagnose.run(engine, items, modes, answer_tokens=args.max_new_tokens,
+                              progress=progress_bar(len(items), "questions", "question"))
+    rows = qa_diagnose.summarize(results)
+    print(qa_diagnose.table(rows))
+    print("\n" + qa_diagnose.question_table(results))
+    if args.json:
+        qa_diagnose.write_json(results, rows, args.json)
     return 0
 
 
@@ -571,5 +602,11 @@ def _qa_flags(p, data: str | None) -> None:
     p.add_argument("--offset", type=int, default=0, help="first question (0-based index in the file)")
     p.add_argument("--limit", type=int, default=None, help="at most N questions from --offset")
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--question-first", nargs="?", const="Question: {question}\n\n", default="", metavar="TEMPLATE",
+                   help="the question before the passages as well (PromptConfig.question_first; default template "
+                        "'Question: {question}' and a blank line)")
+    p.add_argument("--diagnose", action="store_true", help="where the answer is lost: each mode's KL from full "
+                   "attention on full's own answer, the primary's attention its rows hold, the gold passages' recompute")
+    p.add_argument("--indices", type=int, nargs="+", default=None, help="with --diagnose: these questions (0-based)")
     _results_flag(p)
     _out_flags(p, "the frontier at the first budget")

@@ -21,7 +21,7 @@ from ..engine import CacheClipEngine
 from ..offline.niah import VARIANTS, NeedleSample, generate, score
 from ..request import selector as registry
 from .journal import Journal
-from .stats import bootstrap_interval, mean_of_means
+from .stats import bootstrap_interval, mean_of_means, nanmean
 
 log = logging.getLogger(__name__)
 
@@ -261,8 +261,8 @@ def summarize(results: list[NeedleResult]) -> list[dict]:
                    load=statistics.median(r.load for r in sel),
                    assemble=statistics.median(r.assemble for r in sel),
                    recompute=statistics.median(r.recompute for r in sel),
-                   needle_coverage=_nanmean([r.needle_coverage for r in sel]),
-                   oracle_overlap=_nanmean([r.oracle_overlap for r in sel]))
+                   needle_coverage=nanmean([r.needle_coverage for r in sel]),
+                   oracle_overlap=nanmean([r.oracle_overlap for r in sel]))
         rows.append(row)
     for row in rows:
         full = next((r for r in rows if r["length"] == row["length"] and r["mode"] == "full"), None)
@@ -278,11 +278,6 @@ def by_variants(records: list, metric: str) -> dict[str, list[float]]:
     """variant -> the records' `metric` values, for the variants present (in suite order)."""
     groups = {v: [getattr(r, metric) for r in records if r.variant == v] for v in VARIANTS}
     return {v: values for v, values in groups.items() if values}
-
-
-def _nanmean(values: list[float]) -> float:
-    values = [v for v in values if v == v]
-    return statistics.mean(values) if values else float("nan")
 
 
 def _by_sample(results: list, row: dict, metric: str) -> dict[tuple[str, int], float]:

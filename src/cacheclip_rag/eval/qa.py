@@ -31,7 +31,7 @@ from .journal import Journal
 from .metrics import best_of, exact_match, normalize, rouge_l, token_f1
 from .needle import label, ratio_order, request_for, uses_packets, with_full
 from .qa_data import QAExample
-from .stats import bootstrap_interval
+from .stats import bootstrap_interval, nanmean
 
 KEY = ("index", "mode", "ratio")
 """What identifies a measured row: the question's index in the file, the mode and its ratio."""
@@ -104,8 +104,12 @@ def run(
 def passage_spans(engine: CacheClipEngine, ex: QAExample, ids: list[str]) -> list[tuple[int, int, bool]]:
     """Per passage in the request's layout: (first row, end row, whether its text holds a gold
     answer). A passage is one chunk (ingested unsplit), so the chunk segments are the passages."""
-    layout = engine.prepare(ex.question, ids, mode="full").layout
-    golds = [normalize(a) for a in ex.answers]
+    return spans_of(engine.prepare(ex.question, ids, mode="full").layout, ex.answers)
+
+
+def spans_of(layout, answers: list[str]) -> list[tuple[int, int, bool]]:
+    """`passage_spans` of a request's layout, given the gold answers."""
+    golds = [normalize(a) for a in answers]
     return [(seg.start, seg.end, any(g and g in normalize(seg.text) for g in golds)) for seg in layout.chunk_segments()]
 
 
@@ -154,7 +158,7 @@ def summarize(results: list[QAResult]) -> list[dict]:
             effective_fraction=statistics.mean(r.effective_fraction for r in sel),
             ttft=statistics.median(r.ttft for r in sel), ttft_vs_full=statistics.median(r.ttft_vs_full for r in sel),
             prompt_tokens=statistics.median(r.prompt_tokens for r in sel),
-            gold_share=_nanmean([_share(r, True) for r in sel]), other_share=_nanmean([_share(r, False) for r in sel]),
+            gold_share=nanmean([_share(r, True) for r in sel]), other_share=nanmean([_share(r, False) for r in sel]),
         ))
         rows[-1].update(avg=rows[-1]["f1"], avg_ci95=rows[-1]["f1_ci95"])  # the frontier's names
     return rows
@@ -164,11 +168,6 @@ def _share(r: QAResult, gold: bool) -> float:
     """Mean recomputed share of the passages that hold a gold answer (gold) or of the others."""
     shares = [x for i, x in enumerate(r.recomputed_by_passage) if (i in r.gold_passages) == gold]
     return statistics.mean(shares) if shares else float("nan")
-
-
-def _nanmean(values: list[float]) -> float:
-    values = [v for v in values if v == v]
-    return statistics.mean(values) if values else float("nan")
 
 
 def versus(results: list[QAResult], rows: list[dict], label_: str, metric: str = "f1") -> list[dict]:

@@ -45,3 +45,9 @@ def bootstrap_interval(
     tail = (1 - level) / 2
     lo, hi = np.quantile(total, [tail, 1 - tail])
     return float(lo), float(hi)
+
+
+def nanmean(values: Sequence[float]) -> float:
+    """The mean of the values that are not nan (nan where none is)."""
+    kept = [v for v in values if v == v]
+    return float(np.mean(kept)) if kept else float("nan")

@@ -15,6 +15,12 @@ profile, grouping) and fills the rest with ProphetKV's top-scored chunk rows (Wa
 Retrieval-Augmented Generation", arXiv:2602.02579) among those CacheClip left. Both selections
 are on the critical path on one CPU and count in `timings["selection"]`. Measured at 4K it
 scores below both (`docs/notes/2026-12-03-benchmark-record.md`, where the multi-key gap turns out to be two samples).
+
+`cacheclip-passage`: whole passages instead of scattered tokens. The aux query reads every chunk
+at once (context "joint", so one softmax compares the chunks), each chunk's share of the aux
+attention is summed, and whole chunks are recomputed in that order until the budget is reached
+(the last one may overshoot it; the effective fraction says by how much). On multi-hop QA the
+answer sits in one or two passages; recomputing them whole repairs every link inside them.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 
 from ..request.plan import Plan
 from ..request.selector import Selector, register
+from ..selectors.aux_scores import aux_scores
 from ..selectors.cacheclip import CacheClip
 from ..selectors.prophetkv import ProphetKV, query_attention
 
@@ -65,7 +72,32 @@ class CacheClipProphetKV(Selector):
         return Plan(rows=torch.sort(torch.cat([aux_plan.rows, extra])).values, trace=aux_plan.trace, seconds=time.perf_counter() - start)
 
 
+class CacheClipPassage(Selector):
+    name = "cacheclip-passage"
+    uses_aux = True
+
+    def plan(self, prepared) -> Plan:
+        start = time.perf_counter()
+        request = prepared.request
+        joint = dataclasses.replace(prepared, request=dataclasses.replace(
+            request, select=dataclasses.replace(request.select, context="joint")))
+        cfg, aux_kvs, query_ids = CacheClip.scoring(joint)
+        scores = aux_scores(prepared.aux.lm, cfg, prepared.aux_prefix_kv(), aux_kvs, query_ids)
+        segments = prepared.layout.chunk_segments()
+        budget = round(request.ratio * prepared.layout.chunk_rows().numel())
+        rows, taken = [], 0
+        for i in sorted(range(len(segments)), key=lambda i: -float(scores[i].sum())):
+            if taken >= budget:
+                break
+            seg = segments[i]
+            rows.append(torch.arange(seg.start, seg.end)[seg.ids >= 0])  # a packet's soft rows hold no text
+            taken += int(rows[-1].numel())
+        rows = torch.sort(torch.cat(rows)).values if rows else torch.empty(0, dtype=torch.long)
+        return Plan(rows=rows, seconds=time.perf_counter() - start)
+
+
 register(ProphetKVMax())
 register(ProphetKVHeadMean())
 register(ProphetKVWord())
 register(CacheClipProphetKV())
+register(CacheClipPassage())

@@ -43,25 +43,28 @@ class Reference:
     full_ttft: float = float("nan")
     """Seconds to full attention's first token on this request (the frontier's unit of time)."""
 
-    def forced(self, engine: CacheClipEngine, selected: torch.Tensor) -> torch.Tensor:
+    def forced(self, engine: CacheClipEngine, selected: torch.Tensor, observe: Callable | None = None) -> torch.Tensor:
         """Log-probabilities [T, vocab] at each answer position with `selected` chunk rows (and every
-        uncached row, and the answer) recomputed in a copy of the reused cache."""
+        uncached row, and the answer) recomputed in a copy of the reused cache. observe: as
+        `recompute_rows` takes it (layer, q, rows), and the layer's cache keys as a fourth argument."""
         layout, answer = self.layout, self.answer
         n, t = layout.num_tokens, int(answer.numel())
         cache = self.base_cache.copy()
         ids = torch.cat([layout.input_ids, answer[:-1]])
         rows = torch.unique(torch.cat([layout.uncached_rows(), selected, torch.arange(n, n + t - 1)]))
+        watch = None if observe is None else (lambda layer, q, r: observe(layer, q, r, cache.keys[layer]))
         result = recompute_rows(engine.primary.lm, cache, ids, rows, backend=engine.config.attention_backend, tail=t,
-                                embed=self.embed)
+                                embed=self.embed, observe=watch)
         logits = result.tail_logits if t > 1 else result.logits[None]
         return torch.log_softmax(logits, dim=-1)
 
 
 @torch.inference_mode()
-def reference(engine: CacheClipEngine, question: str, chunk_ids: list[str], answer_tokens: int = 64) -> Reference | None:
+def reference(engine: CacheClipEngine, question: str, chunk_ids: list[str], answer_tokens: int = 64,
+              observe: Callable | None = None) -> Reference | None:
     """Full attention's answer (at most `answer_tokens` tokens) and its log-probabilities, forced
     through the recompute path with every chunk row recomputed (the 100% oracle: a full prefill).
-    None when full attention answers nothing."""
+    None when full attention answers nothing. observe: watches that full pass (`Reference.forced`)."""
     primary = engine.primary
     full = engine.answer(question, chunk_ids=chunk_ids, mode="full", max_new_tokens=answer_tokens)
     answer = tokenize(primary.lm, full.text)[0][:answer_tokens]
@@ -71,7 +74,7 @@ def reference(engine: CacheClipEngine, question: str, chunk_ids: list[str], answ
     layout = prepared.layout
     base = assemble(primary.lm, layout, prepared.prefix_kv(), prepared.chunk_kvs(), capacity=layout.num_tokens + answer.numel())
     ref = Reference(layout, base, answer, torch.empty(0), full_ttft=full.timings["ttft"])
-    ref.full_logprobs = ref.forced(engine, layout.chunk_rows())
+    ref.full_logprobs = ref.forced(engine, layout.chunk_rows(), observe=observe)
     return ref
 
 

@@ -100,14 +100,17 @@ def build_layout(prefix_ids: torch.Tensor, pieces: list[tuple[str, str | None]],
 
 
 def ape_positions(layout: Layout) -> torch.Tensor:
-    """RoPE positions for APE: every chunk starts right after the prefix (parallel encoding);
-    plain text continues after the longest chunk. Returns [N]."""
+    """RoPE positions for APE: every chunk starts where the first one does, right after the
+    prefix and any plain text before it (parallel encoding); plain text after a chunk continues
+    after the longest chunk. Returns [N]."""
     positions = torch.arange(layout.num_tokens)
-    p = layout.prefix_len
-    frontier = p
+    frontier = layout.prefix_len
+    base = None  # where the parallel chunks start
     for seg in layout.segments:
         n = seg.end - seg.start
-        start = p if seg.cached else frontier
+        if seg.cached and base is None:
+            base = frontier
+        start = base if seg.cached else frontier
         positions[seg.start : seg.end] = torch.arange(start, start + n)
         frontier = max(frontier, start + n)
     return positions

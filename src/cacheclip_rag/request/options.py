@@ -138,11 +138,12 @@ def check_text(value, what: str) -> str:
 def question_pieces(question: str, chunks: list[tuple[str, str]], prompt: PromptConfig) -> tuple[list[Piece], str]:
     """A question asked over chunks [(id, text)], in the engine's own prompt frame.
 
-    Returns the pieces (chunks in the given order, the separator between them, then the question
-    template) and the aux query (the filled question template).
+    Returns the pieces (`prompt.question_first` filled where set, the chunks in the given order,
+    the separator between them, then the question template) and the aux query (the filled
+    question template).
     """
     check_text(question, "question")
-    pieces: list[Piece] = []
+    pieces: list[Piece] = [(prompt.question_first.format(question=question), None)] if prompt.question_first else []
     for i, (cid, text) in enumerate(chunks):
         if i:
             pieces.append((prompt.separator, None))
