@@ -155,7 +155,8 @@ def test_the_diagnosis_measures_each_mode_against_full_attention_and_its_attenti
     path.write_text(json.dumps(CACHEBLEND))
     data = qa_data.load(path)
     eng = _engine(tiny_pair, tmp_path / "s", data.prompt)
-    modes = [("reuse", 0.0), ("cacheclip", 0.3), ("prophetkv", 0.3), ("cacheclip-passage", 0.3), (qa_diagnose.ORACLE, 0.3)]
+    modes = [("reuse", 0.0), ("cacheclip", 0.3), ("prophetkv", 0.3), ("cacheclip-passage", 0.3),
+             ("cacheclip-hmax-tokens", 0.3), ("cacheclip-deep", 0.3), (qa_diagnose.ORACLE, 0.3)]
     results = qa_diagnose.run(eng, [(1, data.examples[1])], modes, answer_tokens=3)
     (q,) = results
     layout = eng.prepare(data.examples[1].question, eng.ingest([dict(c) for c in data.examples[1].contexts],
@@ -169,8 +170,9 @@ def test_the_diagnosis_measures_each_mode_against_full_attention_and_its_attenti
     assert oracle.overlap == 1.0 and oracle.held >= rows["prophetkv"].held - 1e-6  # the same count, the most mass
     assert all(r.kl >= 0 and 0 <= r.top1 <= 1 for r in q.rows)
     summary = qa_diagnose.summarize(results, answered_only=False)
-    assert [r["label"] for r in summary] == ["reuse", "attention@0.3", "cacheclip@0.3", "cacheclip-passage@0.3",
-                                             "prophetkv@0.3"]
+    assert [r["label"] for r in summary] == ["reuse", "attention@0.3", "cacheclip@0.3", "cacheclip-deep@0.3",
+                                             "cacheclip-hmax-tokens@0.3", "cacheclip-passage@0.3", "prophetkv@0.3"]
+    assert rows["cacheclip-hmax-tokens"].effective_fraction == pytest.approx(0.3, abs=0.02)  # top tokens, no grouping
     assert rows["cacheclip-passage"].effective_fraction in {n / sum(lens) for n in lens}  # one whole passage
     assert rows["cacheclip-passage"].gold in (0.0, 1.0)
     assert "attention@0.3" in qa_diagnose.question_table(results) and "KL 1st" in qa_diagnose.table(summary)

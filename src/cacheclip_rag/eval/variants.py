@@ -16,6 +16,12 @@ Retrieval-Augmented Generation", arXiv:2602.02579) among those CacheClip left. B
 are on the critical path on one CPU and count in `timings["selection"]`. Measured at 4K it
 scores below both (`docs/notes/2026-12-03-benchmark-record.md`, where the multi-key gap turns out to be two samples).
 
+`cacheclip-hmax`, `cacheclip-tokens`, `cacheclip-deep`: CacheClip with one choice of its
+selection changed from what the profile gives, as ProphetKV makes it: heads reduced by their
+max (the heads that retrieve are few), the top tokens without grouping (window 1, tau 1), the
+scores averaged over every aux layer instead of the calibrated ones; `cacheclip-hmax-tokens`
+both of the first two.
+
 `cacheclip-passage`: whole passages instead of scattered tokens. The aux query reads every chunk
 at once (context "joint", so one softmax compares the chunks), each chunk's share of the aux
 attention is summed, and whole chunks are recomputed in that order until the budget is reached
@@ -72,6 +78,23 @@ class CacheClipProphetKV(Selector):
         return Plan(rows=torch.sort(torch.cat([aux_plan.rows, extra])).values, trace=aux_plan.trace, seconds=time.perf_counter() - start)
 
 
+class CacheClipWith(Selector):
+    """CacheClip with `select` fields replaced (`SelectConfig`); "all" score layers: every aux layer."""
+
+    uses_aux = True
+    adaptive = True
+
+    def __init__(self, name: str, **select) -> None:
+        self.name, self.select = name, select
+
+    def plan(self, prepared) -> Plan:
+        select = dict(self.select)
+        if select.get("score_layers") == "all":
+            select["score_layers"] = tuple(range(prepared.aux.lm.num_layers))
+        request = dataclasses.replace(prepared.request, select=dataclasses.replace(prepared.request.select, **select))
+        return CacheClip().plan(dataclasses.replace(prepared, request=request))
+
+
 class CacheClipPassage(Selector):
     name = "cacheclip-passage"
     uses_aux = True
@@ -101,3 +124,7 @@ register(ProphetKVHeadMean())
 register(ProphetKVWord())
 register(CacheClipProphetKV())
 register(CacheClipPassage())
+register(CacheClipWith("cacheclip-hmax", head_agg="max"))
+register(CacheClipWith("cacheclip-tokens", window=1, tau=1))
+register(CacheClipWith("cacheclip-hmax-tokens", head_agg="max", window=1, tau=1))
+register(CacheClipWith("cacheclip-deep", score_layers="all"))
