@@ -230,5 +230,9 @@ def test_bench_qa_resumes_its_results_file_and_eval_runs_the_shipped_questions(f
     assert "holds another run (max_new_tokens: 2 there, 3 here)" in capsys.readouterr().err
     assert main([*base, "--offset", "3"]) == 2
     assert "--offset must be in [0, 3)" in capsys.readouterr().err
+    assert main([*base, "--diagnose"]) == 2  # a diagnosis keeps no journal: refused, not ignored
+    assert "takes no --results journal" in capsys.readouterr().err
+    assert main([*base, "--indices", "1"]) == 2
+    assert "--indices chooses the questions of --diagnose" in capsys.readouterr().err
     assert main(["eval", "--limit", "1", "--modes", "reuse", "--max-new-tokens", "2", *_args(folders, tmp_path / "e")]) == 0
     assert "F1 %full" in capsys.readouterr().out

@@ -359,6 +359,8 @@ def _bench_qa(args) -> int:
         prompt = dataclasses.replace(prompt or EngineConfig().prompt, question_first=args.question_first)
     if args.indices and not args.diagnose:
         raise ValueError("--indices chooses the questions of --diagnose; a QA run takes --offset / --limit")
+    if args.diagnose and (args.results or args.frontier):
+        raise ValueError("--diagnose writes its rows with --json; it takes no --results journal and no --frontier")
     if args.diagnose:
         chosen = args.indices or list(range(args.offset, args.offset + len(examples)))
         bad = [i for i in chosen if not 0 <= i < len(data.examples)]

@@ -17,8 +17,8 @@ Per (question, mode, ratio):
 - gold: the share of the tokens of the passages that hold a gold answer the mode recomputed.
 
 Per question: full attention's answer and F1, which passages hold the answer, and the share of
-the query's attention on them, from the primary (oracle) and from the aux model (CacheClip's
-scores, summed per passage): does the aux look where the primary looks?
+the query's attention on them, from the primary (oracle) and from the aux model (the scores of
+the first aux mode in `modes`, summed per passage): does the aux look where the primary looks?
 
 The `attention` rows are the oracle's own top rows replayed: what a selector that agreed with the
 primary perfectly would keep. Analysis only: every question costs two full prefills.
