@@ -206,7 +206,8 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """The KV store: memory tier size (bytes) in front of the backend, and the storage dtype.
+    """The KV store: memory tier size (bytes) in front of the backend, how caches are kept, and
+    how much the store may hold.
 
     kv_dtype: the dtype chunk caches are stored in. "auto" stores float32 models' caches in bf16
     and any other model's in its compute dtype: bf16 storage halves disk, memory tier and load
@@ -214,16 +215,38 @@ class StoreConfig:
     0.0466 against 0.0468 for cacheclip@0.2, 0.2346 against 0.2364 for reuse, same samples);
     caches are upcast as they are assembled. "float32" keeps full precision. A storage dtype
     other than the compute dtype gets its own namespace, so precisions never mix.
+    kv_codec: how each layer's K and V are kept (`storage/codecs/`): "bf16" as they are (in
+    kv_dtype), "int8" (1.94x fewer bytes), "int4" (KIVI-style, 3.5x fewer). A codec other than
+    "bf16" gets its own namespace, so a namespace never mixes codecs and caches written with
+    another stay readable by an engine that names it. Checked by name when the store opens.
+    aux_depth: how many of the aux model's layers its chunk caches keep. "auto": up to the
+    deepest layer any scoring profile of the pair reads (the engine config's score_layers, the
+    store's or the shipped profiles); a request or calibration that reads deeper re-encodes the
+    chunks it needs with the deeper layers. "all" keeps every layer.
+    max_bytes: a bound on the bytes of chunk caches a folder store holds (None: unbounded). Past
+    it the least recently used caches are dropped and rebuilt from their text when next used.
+    It is recorded in the store, so every process that opens it keeps to it; a Redis store takes
+    its bound in its URL (`?max_bytes=N`).
     """
 
     memory_bytes: int = 512 * 1024 * 1024
     kv_dtype: str = "auto"
+    kv_codec: str = "bf16"
+    aux_depth: str = "auto"
+    max_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.memory_bytes, int) or self.memory_bytes < 0:
             raise ValueError(f"memory_bytes must be a non-negative integer, got {self.memory_bytes!r}")
         if self.kv_dtype not in ("auto", *DTYPES):
             raise ValueError(f"kv_dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.kv_dtype!r}")
+        if not isinstance(self.kv_codec, str) or not self.kv_codec:
+            raise ValueError(f"kv_codec must be a codec name such as 'bf16', 'int8' or 'int4', got {self.kv_codec!r}")
+        if self.aux_depth not in ("auto", "all"):
+            raise ValueError(f"aux_depth must be 'auto' or 'all', got {self.aux_depth!r}")
+        if self.max_bytes is not None and (isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int)
+                                           or self.max_bytes <= 0):
+            raise ValueError(f"max_bytes must be a positive number of bytes or None, got {self.max_bytes!r}")
 
     def storage_dtype(self, compute: torch.dtype) -> torch.dtype:
         """The dtype caches of a model computing in `compute` are stored in."""

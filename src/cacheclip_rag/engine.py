@@ -49,7 +49,9 @@ class CacheClipEngine:
         self.store = open_store(store_dir, self.config.store)
         self.store.bind_models({"primary": primary.fingerprint, "aux": aux.fingerprint})
         self.primary = ChunkCaches.open(primary, self.store, self.config.prompt, "primary")
-        self.aux = ChunkCaches.open(aux, self.store, self.config.prompt, "aux")
+        # The aux caches keep the layers scoring reads (asked at each encode: a profile written
+        # later can need deeper ones); `self.profiles` is set below, before anything is encoded.
+        self.aux = ChunkCaches.open(aux, self.store, self.config.prompt, "aux", depth=lambda: self.profiles.aux_depth())
         adapters = packet_lib.resolve_adapters(self.config.packets, primary)
         self.packets = ChunkCaches.open(primary, self.store, self.config.prompt, "packets", adapters) if adapters else None
         """The primary's KV Packet caches (None without adapters): the packet modes' namespace."""

@@ -250,11 +250,13 @@ def test_store_counters_count_chunk_reads_per_model_and_not_the_shared_prefix(en
 def test_the_aux_pass_keeps_in_memory_only_the_layers_it_reads(tiny_pair, tmp_path):
     """Scoring at the aux's first layer reads, and keeps, one layer of its two: from the store, or
     from an encode when the store lost the cache (a bounded store drops records); the memory tier
-    then serves the next request's aux pass and never stands in for the whole cache."""
-    from cacheclip_rag import SelectConfig
+    then serves the next request's aux pass and never stands in for the whole cache. (The store
+    keeps every aux layer here: aux_depth "auto" would store the one layer read, tested apart.)"""
+    from cacheclip_rag import SelectConfig, StoreConfig
     from cacheclip_rag.storage.record import ChunkKV
 
-    cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4), select=SelectConfig(score_layers=(0,)))
+    cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4), select=SelectConfig(score_layers=(0,)),
+                       store=StoreConfig(aux_depth="all"))
     with CacheClipEngine(*tiny_pair, tmp_path, cfg) as eng:
         ids = eng.ingest(CORPUS, progress=False)[:2]
         ns, store = eng.aux.namespace, eng.store

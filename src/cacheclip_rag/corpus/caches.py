@@ -8,42 +8,48 @@ written once. A cache found damaged is discarded and re-encoded, never used.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from ..config import PromptConfig
 from ..models.loading import LoadedModel
+from ..storage.backends.base import PREFIX_KEY
+from ..storage.codecs import DEFAULT_CODEC
 from ..storage.record import ChunkKV, DamagedCacheError, LayerReader
 from ..storage.store import KVStore
 from .encode import Template, chat_template, encode_prefix, encode_segment, tokenize
 from .packets import PacketAdapters, packet_cache
 
-PREFIX_KEY = "__shared_prefix__"
-"""The store key of a namespace's shared-prefix cache (keys starting "__" are not chunks)."""
 
 
 def namespace_of(lm: LoadedModel, prefix_ids: torch.Tensor, storage: torch.dtype | None = None,
-                 packets: str | None = None) -> str:
-    """The store namespace of a model, shared prefix, storage dtype and (packet caches) the
-    adapters' digest: caches are valid only for all of them (a storage dtype equal to the compute
-    dtype adds nothing to the hash, so stores written before storage dtypes existed keep their
-    namespaces; plain and packet caches never share one)."""
+                 packets: str | None = None, codec: str = DEFAULT_CODEC) -> str:
+    """The store namespace of a model, shared prefix, storage dtype, codec and (packet caches)
+    the adapters' digest: caches are valid only for all of them (a storage dtype equal to the
+    compute dtype and the bf16 codec add nothing to the hash, so stores written before either
+    existed keep their namespaces; plain and packet caches never share one, nor two codecs)."""
     digest = hashlib.sha256(lm.fingerprint.encode())
     digest.update(prefix_ids.numpy().tobytes())
     if storage is not None and storage != lm.dtype:
         digest.update(f"storage={storage}".encode())
     if packets is not None:
         digest.update(f"packets={packets}".encode())
+    if codec != DEFAULT_CODEC:
+        digest.update(f"codec={codec}".encode())
     return digest.hexdigest()[:32]
 
 
 @dataclass
 class ChunkCaches:
     """A model with its prompt frame (template, shared-prefix ids [P]) and its caches in a store,
-    kept in `storage` dtype (every cache this hands out is in it, encoded or read). With
-    `adapters`, the caches are KV Packets: each chunk wrapped in the adapters' header and
-    trailer before it is encoded, in a namespace of their own."""
+    kept in `storage` dtype (every cache this hands out is in it, encoded or read) and stored
+    with the store's codec. With `adapters`, the caches are KV Packets: each chunk wrapped in the
+    adapters' header and trailer before it is encoded, in a namespace of their own. depth: how
+    many layers a stored cache keeps (a callable, asked at each encode: the aux model's deepest
+    scoring layer + 1 can change when a profile is written; None or a None answer: every layer);
+    a read that needs deeper layers than a stored cache has re-encodes it with them."""
 
     lm: LoadedModel
     template: Template
@@ -53,21 +59,24 @@ class ChunkCaches:
     role: str
     storage: torch.dtype
     adapters: PacketAdapters | None = None
+    depth: Callable[[], int | None] | None = None
+    codec: str = DEFAULT_CODEC
     _prefix: ChunkKV | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def open(cls, lm: LoadedModel, store: KVStore, prompt: PromptConfig, role: str,
-             adapters: PacketAdapters | None = None) -> ChunkCaches:
-        """Frame `lm` for `prompt`, record its namespace in the store and make sure the shared
-        prefix's cache is there and current."""
+             adapters: PacketAdapters | None = None, depth: Callable[[], int | None] | None = None) -> ChunkCaches:
+        """Frame `lm` for `prompt`, record its namespace (and codec) in the store and make sure
+        the shared prefix's cache is there and current."""
         template = chat_template(lm, prompt)
         prefix_ids, _ = tokenize(lm, template.prefix, special=True)
         storage = store.cfg.storage_dtype(lm.dtype)
+        codec = store.cfg.kv_codec
         digest = adapters.digest() if adapters is not None else None
-        caches = cls(lm, template, prefix_ids, namespace_of(lm, prefix_ids, storage, digest), store, role, storage,
-                     adapters)
+        caches = cls(lm, template, prefix_ids, namespace_of(lm, prefix_ids, storage, digest, codec), store, role,
+                     storage, adapters, depth, codec)
         about = {"role": role, "model": lm.name, "fingerprint": lm.fingerprint, "dtype": _name(lm.dtype),
-                 "kv_dtype": _name(storage)}
+                 "kv_dtype": _name(storage), "kv_codec": codec}
         if digest is not None:
             about["packets"] = {"adapters": digest, "n_header": adapters.shape[0], "n_trailer": adapters.shape[1]}
         store.describe_namespace(caches.namespace, about)
@@ -75,9 +84,12 @@ class ChunkCaches:
         return caches
 
     def get(self, chunk_id: str, text: str | None = None) -> ChunkKV:
-        """The cache of a chunk: from the store, or encoded from its text (given, else the stored one)."""
+        """The cache of a chunk, every layer of the model: from the store, or encoded from its
+        text (given, else the stored one) where it is missing or stored shallower."""
         kv = self.store.get_kv(self.namespace, chunk_id)
-        return kv if kv is not None else self.encode(chunk_id, text)
+        if kv is not None and len(kv.keys) >= self.lm.num_layers:
+            return kv
+        return self.encode(chunk_id, text)
 
     def prefix(self) -> ChunkKV:
         """The shared prefix's cache: read from the store once (encoded and stored if it is
@@ -87,7 +99,7 @@ class ChunkCaches:
             kv = self.store.get_kv(self.namespace, PREFIX_KEY)
             if kv is None or not torch.equal(kv.token_ids, self.prefix_ids):
                 kv = encode_prefix(self.lm, self.template.prefix).to(self.storage)
-                self.store.put_kv(self.namespace, PREFIX_KEY, kv)
+                self.store.put_kv(self.namespace, PREFIX_KEY, kv, codec=self.codec)
             self._prefix = kv
         return self._prefix
 
@@ -95,8 +107,10 @@ class ChunkCaches:
         """For layer-wise loading: the cache in memory, a reader that loads one layer at a time,
         or (missing or damaged) a fresh encode."""
         source = self.store.open_layers(self.namespace, chunk_id)
-        if source is not None and source.token_ids.numel() > 0:
+        if source is not None and source.token_ids.numel() > 0 and _layers(source) >= self.lm.num_layers:
             return source
+        if isinstance(source, LayerReader):
+            source.close()
         return self.get(chunk_id, text)
 
     def get_layers(self, chunk_id: str, text: str | None, layers: int) -> ChunkKV:
@@ -104,9 +118,14 @@ class ChunkCaches:
         those layers read (and verified) from the store and remembered (a partial entry, which
         serves later reads of as many layers), else encoded. What scores with the early layers
         only (the aux pass) need not read, nor keep in memory, the rest."""
+        layers = min(layers, self.lm.num_layers)
         source = self.store.open_layers(self.namespace, chunk_id, layers)
+        if source is not None and _layers(source) < layers:  # stored shallower than this read needs
+            if isinstance(source, LayerReader):
+                source.close()
+            source = None
         if source is None:
-            kv = self.encode(chunk_id, text, remember=False)  # the tier keeps what is read: the cut
+            kv = self.encode(chunk_id, text, remember=False, layers=layers)  # the tier keeps what is read: the cut
             cut = kv.first_layers(layers)
             self.store.remember(self.namespace, chunk_id, cut, whole=cut is kv)
             return cut
@@ -130,9 +149,20 @@ class ChunkCaches:
     def has(self, chunk_id: str) -> bool:
         return self.store.get_kv(self.namespace, chunk_id) is not None
 
-    def encode(self, chunk_id: str, text: str | None = None, remember: bool = True) -> ChunkKV:
+    def stored_depth(self, needed: int | None = None) -> int | None:
+        """How many layers an encode stores: `depth` (the deepest layer read, + 1), at least
+        `needed`; None for every layer."""
+        depth = self.depth() if self.depth is not None else None
+        if depth is None:
+            return None
+        depth = max(depth, needed or 0)
+        return depth if depth < self.lm.num_layers else None
+
+    def encode(self, chunk_id: str, text: str | None = None, remember: bool = True, layers: int | None = None
+               ) -> ChunkKV:
         """Prefill the chunk (as a packet, with adapters) after the shared prefix and store its
-        cache (kept whole in the memory tier unless `remember` is False)."""
+        cache, cut to `stored_depth(layers)` layers (kept whole in the memory tier unless
+        `remember` is False, or as a partial entry where it was cut). Returns every layer."""
         if text is None:
             chunk = self.store.get_chunk(chunk_id)
             if chunk is None:
@@ -143,7 +173,11 @@ class ChunkCaches:
             kv = packet_cache(self.lm, self.adapters, self.prefix_ids, ids, offsets).to(self.storage)
         else:
             kv = encode_segment(self.lm, self.prefix_ids, text).to(self.storage)
-        self.store.put_kv(self.namespace, chunk_id, kv, remember=remember)
+        depth = self.stored_depth(layers)
+        stored = kv.first_layers(depth) if depth is not None else kv
+        self.store.put_kv(self.namespace, chunk_id, stored, remember=remember and stored is kv, codec=self.codec)
+        if remember and stored is not kv:
+            self.store.remember(self.namespace, chunk_id, stored, whole=False)
         return kv
 
     def rebuild(self, chunk_id: str, why: Exception) -> ChunkKV:
@@ -154,6 +188,10 @@ class ChunkCaches:
     def remember(self, chunk_id: str, kv: ChunkKV) -> None:
         """Hand a cache read layer by layer to the store's memory tier."""
         self.store.remember(self.namespace, chunk_id, kv)
+
+
+def _layers(source: ChunkKV | LayerReader) -> int:
+    return source.num_layers if isinstance(source, LayerReader) else len(source.keys)
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -120,6 +120,25 @@ class ProfileSource:
         """The profile a request of n_tokens uses (calibrated nearest its length), or None."""
         return nearest(self.all(), n_tokens)
 
+    def aux_depth(self) -> int | None:
+        """How many layers the aux model's chunk caches keep (`StoreConfig.aux_depth` "auto"): the
+        deepest layer that the engine config or any of the pair's profiles scores with, + 1;
+        None (every layer) with aux_depth "all", or where one of them scores with the last layer
+        (no profile and no score_layers)."""
+        if self.store.cfg.aux_depth == "all":
+            return None
+        sets = [self.select.score_layers] if self.select.score_layers else []
+        profiles = self.all()
+        if not profiles and not sets:
+            return None
+        for profile in profiles:
+            if not profile.aux_layers:
+                return None
+            sets.append(profile.aux_layers)
+        n = self.aux.num_layers
+        deepest = max(layer % n for layers in sets for layer in layers)
+        return deepest + 1 if deepest + 1 < n else None
+
     def settings(self, n_tokens: int | None = None, score_layers: tuple[int, ...] | None = None,
                  context: str | None = None) -> SelectConfig:
         """The selection config a request of n_tokens runs with, every scoring field set:

@@ -2,8 +2,9 @@
 
 `ChunkKV` is the in-memory cache of one text segment (every stage passes it: encode makes it,
 assemble and select read it, the store keeps it). On a backend it is a record of named tensors
-(`ChunkKV.tensors`) with one checksum per tensor in its metadata, so a single layer can be read
-and verified without the others (`LayerReader`). A record that fails to parse or to match its
+(token ids, offsets, and each layer's K and V as its codec stores them: `codecs/`) with one
+checksum per stored tensor in its metadata, so a single layer can be read, verified and decoded
+without the others (`LayerReader`). A record that fails to parse or to match its
 sums raises `DamagedCacheError`; the store then drops it and the cache is rebuilt from its text.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from . import codecs
 from .backends.base import Record, StoreUnavailableError
 
 
@@ -102,10 +104,16 @@ FORMAT_VERSION = 1
 """The store format: its manifest and every record it writes carry it (metadata keys, tensor names)."""
 
 
-def to_record(kv: ChunkKV, namespace: str, key: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def to_record(kv: ChunkKV, namespace: str, key: str, codec: str = codecs.DEFAULT_CODEC
+              ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The named tensors (on the host) and the metadata a cache is stored as: where it belongs,
-    its start position and layer count, and one checksum per tensor."""
-    tensors = {name: t.detach().cpu().contiguous() for name, t in kv.tensors().items()}
+    its start position, layer count, codec (with the head_dim and dtype it decodes to), and one
+    checksum per stored tensor (so the sums cover the bytes as stored, encoded)."""
+    coder = codecs.get(codec)
+    tensors = {"token_ids": kv.token_ids.detach().cpu().contiguous(), "offsets": kv.offsets.detach().cpu().contiguous()}
+    for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
+        tensors[f"k.{layer}"] = coder.encode("k", k.detach().cpu()).contiguous()
+        tensors[f"v.{layer}"] = coder.encode("v", v.detach().cpu()).contiguous()
     meta = {
         "format": str(FORMAT_VERSION),
         "key": key,
@@ -114,7 +122,14 @@ def to_record(kv: ChunkKV, namespace: str, key: str) -> tuple[dict[str, torch.Te
         "num_layers": str(len(kv.keys)),
         CHECKSUM: json.dumps(checksums(tensors), sort_keys=True),
     }
+    if codec != codecs.DEFAULT_CODEC:  # records of the default codec stay as they always were
+        meta.update(codec=codec, head_dim=str(kv.keys[0].shape[-1]), dtype=str(kv.keys[0].dtype).removeprefix("torch."))
     return tensors, meta
+
+
+def record_codec(meta: dict[str, str]) -> str:
+    """The codec a record was written with (records written before codecs name none: bf16)."""
+    return meta.get("codec", codecs.DEFAULT_CODEC)
 
 
 class DamagedCacheError(ValueError):
@@ -123,13 +138,26 @@ class DamagedCacheError(ValueError):
 
 
 class LayerReader:
-    """Reads one stored cache layer by layer, verifying each tensor's checksum."""
+    """Reads one stored cache layer by layer, verifying each stored tensor's checksum and decoding
+    it with the record's codec. codec: the one the namespace holds; a record of another is
+    refused as damaged (a namespace never mixes codecs); None takes the record's own."""
 
-    def __init__(self, record: Record, namespace: str, key: str):
+    def __init__(self, record: Record, namespace: str, key: str, codec: str | None = None):
         self._record = record
         meta = record.meta
         if meta.get("key") != key or meta.get("namespace") != namespace:
             raise DamagedCacheError(f"record holds {meta.get('key')!r}/{meta.get('namespace')!r}")
+        self.codec = record_codec(meta)
+        if codec is not None and self.codec != codec:
+            raise DamagedCacheError(f"record written with codec {self.codec!r} in a namespace of {codec!r} caches")
+        try:
+            self._coder = codecs.get(self.codec)
+            self._head_dim = int(meta.get("head_dim", 0))
+            self._dtype = getattr(torch, meta["dtype"]) if "dtype" in meta else None
+        except (ValueError, AttributeError) as err:
+            raise DamagedCacheError(f"bad codec metadata ({err})") from err
+        if self.codec != codecs.DEFAULT_CODEC and (self._head_dim <= 0 or not isinstance(self._dtype, torch.dtype)):
+            raise DamagedCacheError(f"a {self.codec!r} record without its head_dim and dtype")
         self._algorithm = next((name for name in HASHES if name in meta), None)
         if self._algorithm is None:
             raise DamagedCacheError(f"no checksums in its metadata (expected one of {sorted(HASHES)})")
@@ -161,8 +189,16 @@ class LayerReader:
         return int(self.token_ids.shape[0])
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of layer i: [kv_heads, T, head_dim] each."""
-        return self._get(f"k.{i}"), self._get(f"v.{i}")
+        """K, V of layer i: [kv_heads, T, head_dim] each, decoded (a stored tensor that does not
+        fit the codec's layout is damage)."""
+        k, v = self._get(f"k.{i}"), self._get(f"v.{i}")
+        if self.codec == codecs.DEFAULT_CODEC:
+            return k, v
+        try:
+            return (self._coder.decode("k", k, self.num_tokens, self._head_dim, self._dtype),
+                    self._coder.decode("v", v, self.num_tokens, self._head_dim, self._dtype))
+        except (ValueError, RuntimeError) as err:
+            raise DamagedCacheError(f"layer {i} does not decode with codec {self.codec!r} ({err})") from err
 
     def read_all(self) -> ChunkKV:
         try:

@@ -4,12 +4,14 @@ What is stored (the bytes live in a `backends.KVBackend`: a folder, memory, or R
 
     manifest ("store")   format version and the fingerprints the store was built for
     texts                one chunk each: id, text, source, span
-    kv / <namespace>     one cache per chunk: per-layer K/V, token ids, character offsets
+    kv / <namespace>     one cache per chunk: per-layer K/V (as its codec keeps them: `codecs/`),
+                         token ids, character offsets
     profile              the calibrated selection profile of the model pair
 
 A namespace is a hex digest of (model fingerprint, shared-prefix token ids): a cache is valid
 only for the model and prefix it was computed with. Stored names are hashes, so no chunk id or
-model name ever becomes a path or a server key. Every backend writes atomically. Each cache
+model name ever becomes a path or a server key. A namespace holds caches of one codec (recorded
+in the manifest; a write or a record of another is refused). Every backend writes atomically. Each cache
 carries a checksum per tensor (XXH3-128; caches written before it carry sha256, still checked);
 a cache that fails to parse or to match its checksums is removed and reported missing, and the
 engine rebuilds it from the chunk's text. This checking is here, once, above every backend.
@@ -29,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import StoreConfig
+from . import codecs
 from . import profiles as profile_lib
 from .backends import KVBackend, StoreUnavailableError, open_backend
 from .backends.base import check_namespace
@@ -80,10 +83,34 @@ class KVStore:
         else:
             self.backend = location
         self.cfg = cfg or StoreConfig()
+        codecs.get(self.cfg.kv_codec)  # an unknown codec is refused by name before anything is written
+        self._codecs: dict[str, str] = {}
         self.stats = StoreStats()
         self._by_namespace: dict[str, StoreStats] = {}
         self._memory = MemoryTier(self.cfg.memory_bytes)
         self._lock = threading.Lock()  # guards the stats
+        self._apply_bound()
+
+    def _apply_bound(self) -> None:
+        """Keep to the manifest's bound on cached bytes, recording the config's first if it sets one."""
+        bound = self.cfg.max_bytes
+        if bound is not None:
+            if not hasattr(self.backend, "limit"):
+                raise ValueError(f"store {self.location} cannot be bounded with StoreConfig.max_bytes (a "
+                                 f"{type(self.backend).__name__}); a Redis store takes ?max_bytes=N in its URL")
+            manifest = self.read_manifest()
+            if manifest.get("max_bytes") != bound:
+                self.backend.put_doc("store", {**manifest, "format": manifest.get("format", FORMAT_VERSION),
+                                               "max_bytes": bound})
+        else:
+            bound = self.read_manifest().get("max_bytes")
+        if bound is not None and hasattr(self.backend, "limit"):
+            self.backend.limit(int(bound))
+
+    @property
+    def max_bytes(self) -> int | None:
+        """The bound on the bytes of caches this store holds (None: unbounded)."""
+        return getattr(self.backend, "max_bytes", None)
 
     @property
     def location(self) -> str:
@@ -123,10 +150,17 @@ class KVStore:
             self.backend.put_doc("store", {**manifest, "format": FORMAT_VERSION, "models": {**known, **fingerprints}})
 
     def describe_namespace(self, namespace: str, info: dict) -> None:
-        """Record which model a namespace's caches belong to (for stats and verify)."""
+        """Record which model a namespace's caches belong to and their codec (info["kv_codec"];
+        absent: bf16). A namespace never changes codec: another one is refused."""
         manifest = self.read_manifest()
-        if manifest.get("namespaces", {}).get(namespace) == info:
+        known = manifest.get("namespaces", {}).get(namespace)
+        if known == info:
             return
+        if known is not None:
+            have, want = known.get("kv_codec", codecs.DEFAULT_CODEC), info.get("kv_codec", codecs.DEFAULT_CODEC)
+            if have != want:
+                raise ValueError(f"store {self.location}: namespace {namespace[:12]} holds {have!r} caches; refusing "
+                                 f"to describe it as {want!r} (a namespace never mixes codecs)")
         manifest.setdefault("format", FORMAT_VERSION)
         manifest.setdefault("namespaces", {})[namespace] = info
         self.backend.put_doc("store", manifest)
@@ -154,14 +188,34 @@ class KVStore:
     # ----- inspection -----------------------------------------------------------------------
 
     def usage(self) -> dict:
-        """Chunks and stored bytes per namespace."""
+        """Chunks, the bound, and per namespace its caches, stored bytes, tokens and bytes per
+        token (each record's token count read from its token ids, not its layers)."""
         texts = self.backend.texts()
-        out = {"chunks": len(texts), "text_bytes": sum(len(json.dumps(d)) for _, d in texts if d), "namespaces": {}}
+        out = {"chunks": len(texts), "text_bytes": sum(len(json.dumps(d)) for _, d in texts if d),
+               "max_bytes": self.max_bytes, "namespaces": {}}
         names = self.read_manifest().get("namespaces", {})
         for ns in self.backend.namespaces():
-            out["namespaces"][ns] = {**names.get(ns, {}), "caches": len(self.backend.list(ns)),
-                                     "bytes": self.backend.nbytes(ns)}
+            listed = self.backend.list(ns)
+            tokens = sum(self._tokens(ns, name) for name in listed)
+            nbytes = self.backend.nbytes(ns)
+            out["namespaces"][ns] = {"kv_codec": codecs.DEFAULT_CODEC, **names.get(ns, {}), "caches": len(listed),
+                                     "bytes": nbytes, "tokens": tokens,
+                                     "bytes_per_token": nbytes / tokens if tokens else None}
         return out
+
+    def _tokens(self, namespace: str, name: str) -> int:
+        try:
+            record = self.backend.get_by_name(namespace, name)
+            if record is None:
+                return 0
+            try:
+                return int(record.tensor("token_ids").numel())
+            finally:
+                record.close()
+        except StoreUnavailableError:
+            raise
+        except (OSError, ValueError, KeyError):
+            return 0
 
     def verify(self) -> dict:
         """Check every cache (parse, names, every checksum) and every chunk text.
@@ -189,7 +243,7 @@ class KVStore:
                     if record is None:
                         continue
                     key = record.meta.get("key", "")
-                    reader = LayerReader(record, ns, key)
+                    reader = LayerReader(record, ns, key, self.codec_of(ns))
                     for i in range(reader.num_layers):
                         reader.layer(i)
                     reader.close()
@@ -265,11 +319,25 @@ class KVStore:
 
     # ----- caches ---------------------------------------------------------------------------
 
-    def put_kv(self, namespace: str, key: str, kv: ChunkKV, remember: bool = True) -> None:
-        """Store `kv` under `key` (atomically, with its checksums) and, unless `remember` is False,
-        keep it whole in the memory tier."""
+    def codec_of(self, namespace: str) -> str:
+        """The codec a namespace's caches are kept with (its manifest entry; bf16 when it names
+        none or is not described)."""
+        codec = self._codecs.get(namespace)
+        if codec is None:
+            info = self.read_manifest().get("namespaces", {}).get(namespace) or {}
+            codec = self._codecs[namespace] = info.get("kv_codec", codecs.DEFAULT_CODEC)
+        return codec
+
+    def put_kv(self, namespace: str, key: str, kv: ChunkKV, remember: bool = True, codec: str | None = None) -> None:
+        """Store `kv` under `key` (atomically, encoded with the namespace's codec, with checksums
+        of the stored bytes) and, unless `remember` is False, keep it whole in the memory tier.
+        codec: the one the caller means to write; refused when the namespace holds another."""
         check_namespace(namespace)
-        self.backend.put(namespace, key, *to_record(kv, namespace, key))
+        have = self.codec_of(namespace)
+        if codec is not None and codec != have:
+            raise ValueError(f"store {self.location}: namespace {namespace[:12]} holds {have!r} caches; refusing to "
+                             f"write a {codec!r} one (a namespace never mixes codecs)")
+        self.backend.put(namespace, key, *to_record(kv, namespace, key, have))
         self._count("writes", namespace=namespace)
         if remember:
             self._memory.put((namespace, key), kv)
@@ -297,7 +365,7 @@ class KVStore:
             if record is None:
                 self._count("misses", namespace=namespace)
                 return None
-            reader = LayerReader(record, namespace, key)
+            reader = LayerReader(record, namespace, key, self.codec_of(namespace))
             found = reader.read_all() if whole else reader
         except StoreUnavailableError:
             raise

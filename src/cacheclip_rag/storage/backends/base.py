@@ -24,6 +24,10 @@ import torch
 
 _HEX = re.compile(r"^[0-9a-f]{8,64}$")
 
+PREFIX_KEY = "__shared_prefix__"
+"""The key of a namespace's shared-prefix cache. Keys starting "__" are not chunks; a bounded
+backend never drops the prefix (every request of the namespace reads it)."""
+
 
 def check_namespace(namespace: str) -> str:
     """A namespace is a hex digest (8-64 digits), so it is safe as a folder name and a key part."""
@@ -113,6 +117,16 @@ class KVBackend(Protocol):
         """A local folder for what must be a file (the FAISS index working copy)."""
 
     def close(self) -> None: ...
+
+
+class BoundedBackend(KVBackend, Protocol):
+    """A backend that can hold at most a number of bytes of records (folders, Redis): past it,
+    the least recently used records are dropped (the store rebuilds them from their texts)."""
+
+    max_bytes: int | None
+
+    def limit(self, max_bytes: int) -> None:
+        """Keep at most max_bytes of records from now on (dropping some at once if over)."""
 
 
 _OPENERS: dict[str, Callable[[str], KVBackend]] = {}

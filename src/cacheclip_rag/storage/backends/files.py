@@ -6,6 +6,10 @@
     index/                             the chunk index (FAISS), next to what it indexes
 
 Every write goes to a temporary file in the same folder, is fsynced and renamed into place.
+Bounded (`limit`, from `StoreConfig.max_bytes`), the folder holds at most that many bytes of
+records: a read refreshes a record's modification time, and a write that takes the folder past
+the bound drops the records least recently used (the oldest times, across every process sharing
+the folder) until it holds 90% of it; the shared prefix is never dropped.
 """
 
 from __future__ import annotations
@@ -14,13 +18,14 @@ import json
 import logging
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .base import PATH_SCHEME, check_namespace, hashed_name, register
+from .base import PATH_SCHEME, PREFIX_KEY, check_namespace, hashed_name, register
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +69,64 @@ class FileRecord:
         self._fh = None
 
 
+LOW_WATER = 0.9
+"""A bounded folder that overflows is brought down to this share of its bound, so that the scan
+that finds the oldest records runs once per tenth of the bound written, not on every write."""
+
+
 class FileBackend:
     def __init__(self, root: Path):
         self.root = Path(root)
         self.location = str(self.root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.max_bytes: int | None = None
+        self._held = 0
+        """Bytes of records this process believes the folder holds (rescanned when it passes the bound)."""
+        self._bound_lock = threading.Lock()
+
+    # ----- the bound --------------------------------------------------------------------------
+
+    def limit(self, max_bytes: int) -> None:
+        self.max_bytes = int(max_bytes)
+        self._enforce()
+
+    def _records(self) -> list[tuple[float, int, Path]]:
+        """(modification time, size, path) of every record, the shared prefixes left out."""
+        pinned = hashed_name(PREFIX_KEY) + ".safetensors"
+        out = []
+        for folder in (self.root / "kv").glob("*"):
+            for entry in os.scandir(folder):
+                if entry.name.endswith(".safetensors") and not entry.name.startswith("."):
+                    try:
+                        st = entry.stat()
+                    except FileNotFoundError:  # dropped by another process meanwhile
+                        continue
+                    out.append((st.st_mtime, st.st_size, Path(entry.path), entry.name == pinned))
+        return [(m, size, path) for m, size, path, is_prefix in out if not is_prefix]
+
+    def _enforce(self) -> None:
+        """Drop the least recently used records until the folder holds LOW_WATER of the bound."""
+        with self._bound_lock:
+            records = sorted(self._records(), key=lambda r: r[0])
+            held = sum(size for _, size, _ in records)
+            if held > self.max_bytes:
+                target, dropped = int(self.max_bytes * LOW_WATER), 0
+                for _, size, path in records:
+                    if held <= target:
+                        break
+                    path.unlink(missing_ok=True)
+                    held -= size
+                    dropped += 1
+                log.info("store %s: dropped %d least recently used caches to stay within %d bytes", self.location,
+                         dropped, self.max_bytes)
+            self._held = held
+
+    def _touch(self, path: Path) -> None:
+        if self.max_bytes is not None:
+            try:
+                os.utime(path)
+            except FileNotFoundError:
+                pass
 
     # ----- records ----------------------------------------------------------------------------
 
@@ -82,7 +140,14 @@ class FileBackend:
         return hashed_name(key)
 
     def put(self, namespace: str, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
-        atomic_write(self.kv_path(namespace, key), lambda p: save_file(tensors, p, metadata=meta))
+        path = self.kv_path(namespace, key)
+        atomic_write(path, lambda p: save_file(tensors, p, metadata=meta))
+        if self.max_bytes is not None and key != PREFIX_KEY:
+            with self._bound_lock:
+                self._held += path.stat().st_size
+                over = self._held > self.max_bytes
+            if over:
+                self._enforce()
 
     def get(self, namespace: str, key: str) -> FileRecord | None:
         return self.get_by_name(namespace, self.name_of(key))
@@ -91,6 +156,7 @@ class FileBackend:
         path = self._path(namespace, name)
         if not path.exists():
             return None
+        self._touch(path)
         return FileRecord(path)
 
     def delete(self, namespace: str, key: str) -> None:

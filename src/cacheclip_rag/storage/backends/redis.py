@@ -28,7 +28,7 @@ from urllib.parse import parse_qs, urlsplit
 import torch
 
 from ...paths import cache_dir
-from .base import StoreUnavailableError, hashed_name, register
+from .base import PREFIX_KEY, StoreUnavailableError, hashed_name, register
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,11 @@ class RedisBackend:
         self.call(lambda r: r.ping())
         self._dir = None
 
+    def limit(self, max_bytes: int) -> None:
+        """Hold at most max_bytes of records from now on (the URL's ?max_bytes=N does the same)."""
+        self.max_bytes = int(max_bytes)
+        self._enforce_bound()
+
     def call(self, fn):
         """Run fn(client); a dropped or unreachable server becomes a StoreUnavailableError."""
         try:
@@ -132,7 +137,7 @@ class RedisBackend:
             pipe.hset(rkey, mapping=fields)
             pipe.sadd(self._k("names", namespace), name)
             pipe.sadd(self._k("namespaces"), namespace)
-            if self.max_bytes is not None:
+            if self.max_bytes is not None and key != PREFIX_KEY:  # the shared prefix is never dropped
                 pipe.zadd(self._k("lru"), {f"{namespace}:{name}": time.time()})
                 pipe.hset(self._k("sizes"), f"{namespace}:{name}", size)
             pipe.execute()

@@ -1,0 +1,7 @@
+"""Codecs for chunk caches: how a layer's K and V are kept in a record (bf16, int8, int4), one
+file each behind `base.Codec`, chosen by `StoreConfig.kv_codec` and recorded per namespace."""
+
+from . import bf16, int4, int8  # noqa: F401  (each registers itself)
+from .base import DEFAULT_CODEC, Codec, Kind, get, names, register
+
+__all__ = ["DEFAULT_CODEC", "Codec", "Kind", "get", "names", "register"]

@@ -1,0 +1,112 @@
+"""Group quantization to small integers with float16 scales, shared by the integer codecs.
+
+A group is G neighbouring elements along one axis of a [H, T, D] tensor; each group keeps its
+own float16 step (and, asymmetric, its float16 minimum). Scales are rounded *outwards* to
+float16 (the minimum down, the step up), so every element of a group maps into the code range
+without clamping and the error of each element is at most half its group's stored step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_TINY = 2.0 ** -24
+"""float16's smallest positive value."""
+_MAX_F16 = 65504.0
+
+
+def up_f16(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> the float16 at or above it (round to nearest moves at most 2^-11 relative)."""
+    return (x * (1 + 2.0 ** -10) + _TINY).to(torch.float16)
+
+
+def down_f16(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> the float16 at or below it."""
+    return (x - x.abs() * 2.0 ** -10 - _TINY).to(torch.float16)
+
+
+def check_range(x: torch.Tensor, codec: str) -> None:
+    if not torch.isfinite(x).all() or x.abs().max() > _MAX_F16 / 2:
+        raise ValueError(f"KV codec {codec!r}: values beyond float16's range or not finite (max |x| "
+                         f"{x.abs().max().item():.3g}); store these caches with kv_codec='bf16'")
+
+
+def groups(x: torch.Tensor, size: int) -> tuple[torch.Tensor, int]:
+    """x [..., N] -> [..., ceil(N / size), size] float32, the last group padded by repeating the
+    last element (so no group's minimum or maximum changes); and N."""
+    n = x.shape[-1]
+    pad = (-n) % size
+    x = x.float()
+    if pad:
+        x = torch.cat([x, x[..., -1:].expand(*x.shape[:-1], pad)], dim=-1)
+    return x.reshape(*x.shape[:-1], -1, size), n
+
+
+def ungroup(g: torch.Tensor, n: int) -> torch.Tensor:
+    """[..., groups, size] -> [..., n]: the padding dropped."""
+    return g.reshape(*g.shape[:-2], -1)[..., :n]
+
+
+def symmetric(x: torch.Tensor, bits: int, size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Quantize along the last axis in groups of `size`: codes [..., groups, size] (int8, in
+    +-(2^(bits-1) - 1)), steps [..., groups] float16, and the axis length."""
+    g, n = groups(x, size)
+    top = 2 ** (bits - 1) - 1
+    step = up_f16(g.abs().amax(-1) / top)
+    codes = torch.round(g / step.float().unsqueeze(-1)).clamp_(-top, top).to(torch.int8)
+    return codes, step, n
+
+
+def asymmetric(x: torch.Tensor, bits: int, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Quantize along the last axis in groups of `size`: codes [..., groups, size] (uint8 in
+    [0, 2^bits - 1]), steps and minima [..., groups] float16, and the axis length."""
+    g, n = groups(x, size)
+    lo = down_f16(g.amin(-1))
+    step = up_f16((g.amax(-1) - lo.float()) / (2 ** bits - 1))
+    codes = torch.round((g - lo.float().unsqueeze(-1)) / step.float().unsqueeze(-1))
+    return codes.clamp_(0, 2 ** bits - 1).to(torch.uint8), step, lo, n
+
+
+def dequantize(codes: torch.Tensor, step: torch.Tensor, lo: torch.Tensor | None, n: int) -> torch.Tensor:
+    """codes [..., groups, size] with steps (and minima) [..., groups] -> float32 [..., n]."""
+    out = codes.float() * step.float().unsqueeze(-1)
+    if lo is not None:
+        out += lo.float().unsqueeze(-1)
+    return ungroup(out, n)
+
+
+def pack4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes < 16, [..., 2m] -> [..., m]: two codes a byte, the even one in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack4(packed: torch.Tensor) -> torch.Tensor:
+    """[..., m] -> uint8 codes [..., 2m] (`pack4` undone)."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
+
+
+def group_size(n: int, preferred: int) -> int:
+    """The group size along an axis of n: `preferred`, or n itself where it does not divide n."""
+    return preferred if n % preferred == 0 else n
+
+
+def as_bytes(*parts: torch.Tensor, heads: int) -> torch.Tensor:
+    """Tensors whose first axis is the head, flattened to bytes and laid side by side: [H, bytes]."""
+    return torch.cat([p.contiguous().reshape(heads, -1).view(torch.uint8) for p in parts], dim=1).contiguous()
+
+
+def split_bytes(stored: torch.Tensor, *specs: tuple[torch.dtype, tuple[int, ...]]) -> list[torch.Tensor]:
+    """`as_bytes` undone: [H, bytes] -> one tensor per (dtype, shape after the head axis)."""
+    heads, out, at = stored.shape[0], [], 0
+    for dtype, shape in specs:
+        count = 1
+        for s in shape:
+            count *= s
+        width = count * torch.empty((), dtype=dtype).element_size()
+        if at + width > stored.shape[1]:
+            raise ValueError(f"stored tensor holds {stored.shape[1]} bytes a head; its layout needs at least {at + width}")
+        out.append(stored[:, at:at + width].contiguous().view(dtype).reshape(heads, *shape))
+        at += width
+    if at != stored.shape[1]:
+        raise ValueError(f"stored tensor holds {stored.shape[1]} bytes a head; its layout needs {at}")
+    return out
