@@ -114,15 +114,17 @@ class CacheClipEngine:
     # ----- offline --------------------------------------------------------------------------
 
     def ingest(self, documents: Iterable[str | Mapping], progress: bool = True, split: bool = True,
-               packets: bool = False) -> list[str]:
+               packets: bool = False, lazy: bool = False) -> list[str]:
         """Chunk, cache (primary and aux) and index documents; return chunk ids in document order.
 
         A document is a str or a mapping with "text" and optional "title" / "source". Chunks
         already in the store are not recomputed. split=False takes each document as one chunk,
         verbatim: that is how a framework's own nodes become reusable chunks. packets=True also
         builds the chunks' KV Packet caches now (else the packet modes build them on first use).
+        lazy=True stores and indexes the chunks without encoding their caches: the first request
+        that uses a chunk encodes them (for a corpus larger than a bounded store).
         """
-        return self._ingestor.ingest(documents, progress=progress, split=split, packets=packets)
+        return self._ingestor.ingest(documents, progress=progress, split=split, packets=packets, lazy=lazy)
 
     def repair(self, progress: bool = True) -> dict:
         """Heal the store: re-encode every missing or damaged cache from its chunk text, drop

@@ -41,6 +41,27 @@ def test_ingest_ask_and_selection_page(folders, tmp_path, capsys):
     assert page.exists()
 
 
+def test_lazy_int4_bounded_ingest_then_store_stats(folders, tmp_path, capsys):
+    """--kv-codec, --max-gb and --lazy from the command line; stats shows codec, bytes a token and
+    the bound; an unknown codec is refused by argparse, naming the choices."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("\n".join(json.dumps({"text": t}) for t in CORPUS))
+    args = [*_args(folders, tmp_path / "s"), "--kv-codec", "int4", "--max-gb", "0.5"]
+    assert main(["ingest", str(docs), "--quiet", "--lazy", "--chunk-tokens", "32", *args]) == 0
+    capsys.readouterr()
+    assert main(["ask", "what is the code?", "--ratio", "0.5", "--max-new-tokens", "2", *args]) == 0
+    capsys.readouterr()
+    assert main(["store", "stats", "--store", str(tmp_path / "s")]) == 0
+    out = capsys.readouterr().out
+    assert "of a bound of 512.0 MB" in out and "KiB/token" in out
+    rows = [line for line in out.splitlines() if " int4 " in line]
+    assert len(rows) == 2, out  # primary and aux, each with its bytes a token
+    assert all(re.search(r"\d+\.\d\d  \(namespace", line) for line in rows)
+    with pytest.raises(SystemExit):
+        main(["ingest", str(docs), "--kv-codec", "int3", *_args(folders, tmp_path / "s")])
+    assert "invalid choice: 'int3'" in capsys.readouterr().err
+
+
 def test_calibrate_then_store_stats_shows_the_profile(folders, tmp_path, capsys):
     out = tmp_path / "cal.json"
     assert main(["calibrate", "--lengths", "120", "--samples", "1", "--json", str(out), *_args(folders, tmp_path / "s")]) == 0

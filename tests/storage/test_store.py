@@ -1,6 +1,7 @@
 """KVStore: round trip, atomic writes, damage detection and rebuild, fingerprint binding."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -142,3 +143,44 @@ def test_the_memory_tier_lists_what_it_holds_per_namespace(tmp_path):
         s.put_kv(NS, f"c{i}", _kv(t=50, seed=i))
     assert s.memory_keys(NS) == ["c1", "c2"]  # the oldest was dropped to stay in bounds
     assert s.memory_keys("other-namespace") == [] and s.memory_bytes <= _kv(t=50).nbytes * 2.5
+
+
+def _records(root):
+    return sorted(p.name for p in (root / "kv").rglob("*.safetensors"))
+
+
+def test_a_bounded_folder_drops_the_least_recently_used(tmp_path):
+    from cacheclip_rag.config import StoreConfig
+    from cacheclip_rag.storage.backends.base import PREFIX_KEY
+
+    one = KVStore(tmp_path / "probe")
+    one.put_kv(NS, "x", _kv())
+    size = one.backend.kv_path(NS, "x").stat().st_size
+    s = KVStore(tmp_path / "s", StoreConfig(max_bytes=int(size * 3.5), memory_bytes=0))
+    s.put_kv(NS, PREFIX_KEY, _kv(seed=9))
+    for i, key in enumerate("abc"):
+        s.put_kv(NS, key, _kv(seed=i))
+        os.utime(s.backend.kv_path(NS, key), (1000 + i, 1000 + i))  # a, b, c in order of use
+    os.utime(s.backend.kv_path(NS, PREFIX_KEY), (1, 1))  # the oldest of all, yet never dropped
+    assert s.get_kv(NS, "a") is not None  # a read refreshes "a": now "b" is the least recently used
+    s.put_kv(NS, "d", _kv(seed=4))  # over the bound: dropped down to 90% of it
+    left = {key for key in ("a", "b", "c", "d", PREFIX_KEY) if s.backend.kv_path(NS, key).exists()}
+    assert left == {"a", "c", "d", PREFIX_KEY}, left  # 3 of 3.5 records: within 90% of the bound
+    assert s.get_kv(NS, "b") is None and s.stats.misses == 1  # gone: rebuilt from its text by the engine
+    # the bound is recorded: a process that opens the store without it keeps to it too
+    other = KVStore(tmp_path / "s", StoreConfig(memory_bytes=0))
+    assert other.max_bytes == int(size * 3.5) and other.usage()["max_bytes"] == other.max_bytes
+    for key in "efg":
+        other.put_kv(NS, key, _kv(seed=7))
+    held = sum(p.stat().st_size for p in (tmp_path / "s" / "kv").rglob("*.safetensors")
+               if p.stem != other.backend.name_of(PREFIX_KEY))
+    assert held <= int(size * 3.5)
+
+
+def test_a_bound_on_a_memory_store_is_refused_by_name():
+    from cacheclip_rag.config import StoreConfig
+
+    with pytest.raises(ValueError, match="max_bytes"):
+        KVStore("memory://bounded-test", StoreConfig(max_bytes=1000))
+    with pytest.raises(ValueError, match="max_bytes"):
+        StoreConfig(max_bytes=0)

@@ -23,7 +23,7 @@ from .demo import demo_documents, demo_questions
 
 def cmd_ingest(args) -> int:
     engine = engine_from_args(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=args.overlap_tokens))
-    ids = engine.ingest(read_documents(args.files), progress=not args.quiet, packets=args.packets)
+    ids = engine.ingest(read_documents(args.files), progress=not args.quiet, packets=args.packets, lazy=args.lazy)
     print(f"ingested {len(ids)} chunks ({len(set(ids))} distinct) into {args.store}")
     return 0
 
@@ -113,6 +113,8 @@ def add_commands(sub) -> None:
     p.add_argument("--overlap-tokens", type=int, default=ChunkConfig().overlap_tokens)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--packets", action="store_true", help="also build the KV Packet caches now (else on first use)")
+    p.add_argument("--lazy", action="store_true",
+                   help="store and index the chunks without encoding their caches: each is encoded on first use")
     p.set_defaults(func=cmd_ingest)
 
     p = sub.add_parser("ask", help="answer a question from the store")

@@ -18,11 +18,19 @@ def cmd_store(args) -> int:
         raise ValueError(f"{args.store!r} is not a cacheclip store (no manifest)")
     if args.action == "stats":
         usage = store.usage()
-        print(f"store {root}: {usage['chunks']} chunks, texts {usage['text_bytes'] / 2**20:.1f} MB")
+        bound = usage["max_bytes"]
+        held = sum(info["bytes"] for info in usage["namespaces"].values())
+        print(f"store {root}: {usage['chunks']} chunks, texts {usage['text_bytes'] / 2**20:.1f} MB, caches "
+              f"{held / 2**20:.1f} MB" + (f" of a bound of {bound / 2**20:.1f} MB (least recently used dropped past it)"
+                                        if bound else " (unbounded)"))
+        print(f"  {'role':<8} {'model':<32} {'dtype/kv':<18} {'codec':<6} {'caches':>6} {'MB':>9} {'tokens':>9} "
+              f"{'KiB/token':>9}")
         for ns, info in usage["namespaces"].items():
             dtypes = f"{info.get('dtype', '?')}/{info.get('kv_dtype', info.get('dtype', '?'))}"
-            print(f"  {info.get('role', '?'):<8} {info.get('model', '?'):<32} {dtypes:<18} {info['caches']:>6} caches "
-                  f"{info['bytes'] / 2**20:>9.1f} MB  (namespace {ns[:12]}, fingerprint {info.get('fingerprint', '?')[:12]})")
+            per_token = f"{info['bytes_per_token'] / 1024:>9.2f}" if info["bytes_per_token"] else f"{'-':>9}"
+            print(f"  {info.get('role', '?'):<8} {info.get('model', '?'):<32} {dtypes:<18} {info['kv_codec']:<6} "
+                  f"{info['caches']:>6} {info['bytes'] / 2**20:>9.1f} {info['tokens']:>9} {per_token}  "
+                  f"(namespace {ns[:12]}, fingerprint {info.get('fingerprint', '?')[:12]})")
             if info.get("packets"):
                 pk = info["packets"]
                 print(f"           KV Packet adapters {pk['adapters']} ({pk['n_header']} header + {pk['n_trailer']} "

@@ -71,14 +71,18 @@ class Ingestor:
         return len(new)
 
     def ingest(self, documents: Iterable[str | Mapping], progress: bool = True, split: bool = True,
-               packets: bool = False) -> list[str]:
+               packets: bool = False, lazy: bool = False) -> list[str]:
         """Chunk, cache (every model) and index documents; return chunk ids in document order.
 
         A document is a str or a mapping with "text" and optional "title" / "source". Caches
         already in the store are not recomputed. split=False takes each document as one chunk,
         verbatim: that is how a framework's own nodes become reusable chunks. packets: build the
-        KV Packet caches too (a ValueError when the engine has no adapters).
+        KV Packet caches too (a ValueError when the engine has no adapters). lazy: store and
+        index the chunks without encoding their caches; the first request that uses a chunk
+        encodes and stores them (so a corpus larger than a bounded store still answers).
         """
+        if packets and lazy:
+            raise ValueError("ingest with packets=True builds caches now; lazy=True builds none: choose one")
         if packets and self.packets is None:
             raise ValueError("ingest with packets needs KV Packet adapters for the primary model; none are loaded "
                              "(EngineConfig.packets)")
@@ -103,11 +107,12 @@ class Ingestor:
             vectors = dict(zip((c.id for c in fresh), self.index.embed([c.text for c in fresh]))) if fresh else {}
             for chunk in tqdm(unique, desc="ingest", unit="chunk", disable=not progress):
                 # The caches first, the text last: a text in the store tells other processes the chunk is ready.
-                for caches in models:
+                for caches in models if not lazy else ():
                     if not caches.has(chunk.id):
                         caches.encode(chunk.id, chunk.text)
                 vector = vectors.get(chunk.id)
-                self.store.put_chunk(chunk, Embedding(self.index.embedder_name, vector) if vector is not None else None)
+                self.store.put_chunk(chunk, Embedding(self.index.embedder_name, vector) if vector is not None else None,
+                                     lazy=lazy)
                 self.matcher.add(chunk.id, chunk.text)
                 self._seen.add(self.store.chunk_name(chunk.id))
             self.index.add_vectors(list(vectors.items()))
@@ -124,8 +129,15 @@ class Ingestor:
         damaged_packets = set()
         if self.packets is not None:
             damaged_packets = {name for ns, name, _ in report["damaged"] if ns == self.packets.namespace}
+        # Caches a lazy ingest never built, or a bounded store dropped, are built on first use:
+        # only those the verify found damaged are rebuilt here.
+        on_demand = self.store.max_bytes is not None
+        lazy = self.store.lazy_ids()
+        damaged = {name for _, name, _ in report["damaged"]}
         with self._lock:
             for chunk in tqdm(chunks, desc="repair", unit="chunk", disable=not progress):
+                if (on_demand or chunk.id in lazy) and self.store.cache_name(chunk.id) not in damaged:
+                    continue
                 for caches in self.models:
                     if not caches.has(chunk.id):
                         caches.encode(chunk.id, chunk.text)

@@ -226,12 +226,15 @@ class KVStore:
         """
         report = {"checked": 0, "damaged": [], "orphans": [], "missing": {}, "bad_texts": []}
         on_demand = {ns for ns, info in self.read_manifest().get("namespaces", {}).items() if info.get("packets")}
-        chunk_ids = set()
+        bounded = self.max_bytes is not None  # a bounded store drops caches by design: absent is fine
+        chunk_ids, expected = set(), set()
         for name, data in self.backend.texts():
             ok = isinstance(data, dict) and isinstance(data.get("id"), str) and isinstance(data.get("text"), str) \
                 and name == self.backend.text_name(data["id"])
             if ok:
                 chunk_ids.add(data["id"])
+                if not data.get("lazy"):  # a lazy chunk's caches are built on first use
+                    expected.add(data["id"])
             else:
                 report["bad_texts"].append(f"{name}: unreadable, or its name or text does not match")
         for ns in self.backend.namespaces():
@@ -257,8 +260,8 @@ class KVStore:
                 have.add(key)
                 if key not in chunk_ids and not key.startswith("__"):
                     report["orphans"].append((ns, key))
-            missing = sorted(chunk_ids - have)
-            if missing and ns not in on_demand:  # packet caches are built on first use: absent is fine
+            missing = sorted(expected - have)
+            if missing and ns not in on_demand and not bounded:  # packet caches are built on first use: absent is fine
                 report["missing"][ns] = missing
         for where, name in self.backend.leftovers():
             report["damaged"].append((where, name, "leftover temporary file from an interrupted write"))
@@ -270,15 +273,22 @@ class KVStore:
 
     # ----- chunk texts ----------------------------------------------------------------------
 
-    def put_chunk(self, chunk: Chunk, embedding: Embedding | None = None) -> None:
+    def put_chunk(self, chunk: Chunk, embedding: Embedding | None = None, lazy: bool = False) -> None:
         """Store a chunk's text (once), with its retrieval embedding beside it so that another
-        process sharing the store indexes it without embedding it again."""
+        process sharing the store indexes it without embedding it again. lazy: its caches are
+        built on first use (verify does not count them missing; repair leaves them)."""
         if self.get_chunk(chunk.id) is not None:
             return
         data = {"id": chunk.id, "text": chunk.text, "source": chunk.source, "start": chunk.start, "end": chunk.end}
         if embedding is not None:
             data["embedding"] = embedding.to_dict()
+        if lazy:
+            data["lazy"] = True
         self.backend.put_text(chunk.id, data)
+
+    def lazy_ids(self) -> set[str]:
+        """The chunks ingested lazily (caches built on first use)."""
+        return {d["id"] for _, d in self.backend.texts() if isinstance(d, dict) and d.get("lazy") and "id" in d}
 
     def chunk_count(self) -> int:
         """How many chunk texts the store holds (cheap; shared stores are polled with it)."""
@@ -320,11 +330,14 @@ class KVStore:
     # ----- caches ---------------------------------------------------------------------------
 
     def codec_of(self, namespace: str) -> str:
-        """The codec a namespace's caches are kept with (its manifest entry; bf16 when it names
-        none or is not described)."""
+        """The codec a namespace's caches are kept with: as its manifest entry records it (absent
+        there: bf16, as every store before codecs), or for a namespace not yet described, this
+        store's `StoreConfig.kv_codec` (its first write records it)."""
         codec = self._codecs.get(namespace)
         if codec is None:
-            info = self.read_manifest().get("namespaces", {}).get(namespace) or {}
+            info = self.read_manifest().get("namespaces", {}).get(namespace)
+            if info is None:
+                return self.cfg.kv_codec
             codec = self._codecs[namespace] = info.get("kv_codec", codecs.DEFAULT_CODEC)
         return codec
 
@@ -337,6 +350,10 @@ class KVStore:
         if codec is not None and codec != have:
             raise ValueError(f"store {self.location}: namespace {namespace[:12]} holds {have!r} caches; refusing to "
                              f"write a {codec!r} one (a namespace never mixes codecs)")
+        if namespace not in self._codecs:
+            self.describe_namespace(namespace, {**(self.read_manifest().get("namespaces", {}).get(namespace) or {}),
+                                                "kv_codec": have})
+            self._codecs[namespace] = have
         self.backend.put(namespace, key, *to_record(kv, namespace, key, have))
         self._count("writes", namespace=namespace)
         if remember:
