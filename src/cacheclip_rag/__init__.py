@@ -3,6 +3,7 @@
 from .config import (
     ChunkConfig,
     EngineConfig,
+    IndexConfig,
     ModelConfig,
     PromptConfig,
     SelectConfig,
@@ -21,6 +22,7 @@ __all__ = [
     "DEFAULT_AUX",
     "DEFAULT_PRIMARY",
     "EngineConfig",
+    "IndexConfig",
     "ModelConfig",
     "PromptConfig",
     "RequestOptions",

@@ -19,6 +19,33 @@ def _check_positive(name: str, value: int) -> None:
 
 
 @dataclass(frozen=True)
+class IndexConfig:
+    """The chunk index (FAISS over the chunks' embeddings).
+
+    kind: "flat" (exact), "ivf" (inverted lists over k-means cells: IVFFlat, 4 sqrt(N) cells),
+    "hnsw" (a graph: HNSWFlat, 32 links), or "auto": flat below `approximate_from` chunks, IVF
+    from there (chosen when the index is compacted). nprobe: IVF cells searched per query;
+    ef_search: the HNSW search breadth. The index is saved as a base file plus append-only
+    segments (one per ingest), and compacted into a new base once the segments hold
+    `compact_share` of what the base holds, so an ingest writes its own vectors, not the index.
+    """
+
+    kind: str = "auto"
+    approximate_from: int = 50_000
+    nprobe: int = 48
+    ef_search: int = 96
+    compact_share: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("auto", "flat", "ivf", "hnsw"):
+            raise ValueError(f"index kind must be 'auto', 'flat', 'ivf' or 'hnsw', got {self.kind!r}")
+        for name in ("approximate_from", "nprobe", "ef_search"):
+            _check_positive(name, getattr(self, name))
+        if not isinstance(self.compact_share, (int, float)) or not 0 < self.compact_share:
+            raise ValueError(f"compact_share must be a positive share of the base index, got {self.compact_share!r}")
+
+
+@dataclass(frozen=True)
 class ChunkConfig:
     """Token-based chunking with the primary tokenizer (the paper uses 1000 / 50)."""
 
@@ -318,6 +345,8 @@ class EngineConfig:
     """Chunks retrieved per question when the caller gives no chunk ids."""
     embedder: str = "all-minilm-l6-v2"
     """Sentence-transformers model for the chunk index: the embedded default or a local folder."""
+    index: IndexConfig = field(default_factory=IndexConfig)
+    """The chunk index's kind (flat, IVF, HNSW, or by size) and search breadth."""
     attention_backend: str = "auto"
     """Recompute attention: "auto" (the Triton kernel on CUDA; elsewhere the blocked torch path:
     matmul blocks in bf16/fp16, split blocks in float32), "torch" (the blocked torch path

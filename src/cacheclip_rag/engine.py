@@ -55,7 +55,7 @@ class CacheClipEngine:
         adapters = packet_lib.resolve_adapters(self.config.packets, primary)
         self.packets = ChunkCaches.open(primary, self.store, self.config.prompt, "packets", adapters) if adapters else None
         """The primary's KV Packet caches (None without adapters): the packet modes' namespace."""
-        self.index = ChunkIndex(self.store.index_dir(), self.config.embedder)
+        self.index = ChunkIndex(self.store.index_dir(), self.config.embedder, self.config.index)
         self.matcher = ChunkMatcher()
         self._ingestor = Ingestor(self.store, self.index, self.matcher, [self.primary, self.aux], self.config.chunk,
                                   packets=self.packets)

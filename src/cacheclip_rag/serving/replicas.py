@@ -126,7 +126,7 @@ class CorpusView:
 
     def __init__(self, store: str, config: EngineConfig):
         self.store = open_store(store, config.store)
-        self.index = ChunkIndex(self.store.index_dir(), config.embedder)
+        self.index = ChunkIndex(self.store.index_dir(), config.embedder, config.index)
         self.matcher = ChunkMatcher()
         self.top_k = config.top_k
         self._sync = Ingestor(self.store, self.index, self.matcher, [], config.chunk)
