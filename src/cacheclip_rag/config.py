@@ -22,7 +22,7 @@ def _check_positive(name: str, value: int) -> None:
 class IndexConfig:
     """The chunk index (FAISS over the chunks' embeddings).
 
-    kind: "flat" (exact), "ivf" (inverted lists over k-means cells: IVFFlat, 4 sqrt(N) cells),
+    kind: "flat" (exact), "ivf" (inverted lists over k-means cells: IVFFlat, 2 sqrt(N) cells),
     "hnsw" (a graph: HNSWFlat, 32 links), or "auto": flat below `approximate_from` chunks, IVF
     from there (chosen when the index is compacted). nprobe: IVF cells searched per query;
     ef_search: the HNSW search breadth. The index is saved as a base file plus append-only

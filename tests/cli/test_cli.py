@@ -107,6 +107,42 @@ def test_bench_fidelity_prints_the_table_and_paired_differences(folders, tmp_pat
     assert {p["other"] for p in json.loads(out.read_text())["versus"]} == {"reuse"}
 
 
+def test_bench_store_compares_every_codec_with_bf16(folders, tmp_path, capsys):
+    import os
+
+    out = tmp_path / "store.json"
+    redis = os.environ.get("CACHECLIP_TEST_REDIS")
+    args = ["bench", "store", "--lengths", "100", "--samples", "2", "--variants", "multivalue", "--modes", "reuse",
+            "cacheclip", "--ratios", "0.5", "--chunk-tokens", "40", "--max-new-tokens", "3", "--fidelity-samples", "1",
+            "--answer-tokens", "3", "--runs", "1", "--json", str(out), *_args(folders, tmp_path / "s")]
+    assert main(args + (["--redis", f"{redis}?prefix=t-{tmp_path.name}"] if redis else [])) == 0
+    printed = capsys.readouterr().out
+    for heading in ("Bytes a token as stored", "codec - bf16 on the same samples", "KL(full || mode), codec - bf16",
+                    "TTFT, codecs and stores alternated", "Qwen2.5-7B-Instruct", "1e+07 chunks"):
+        assert heading in printed, heading
+    doc = json.loads(out.read_text())
+    costs = {c["codec"]: c for c in doc["costs"]}
+    total = {c: v["primary_bytes_per_token"] + v["aux_bytes_per_token"] for c, v in costs.items()}
+    assert total["bf16"] > total["int8"] > total["int4"]
+    assert {(r["codec"], r["backend"]) for r in doc["ttft"]} >= {(c, "file") for c in costs}
+    if redis:
+        assert {r["backend"] for r in doc["ttft"]} == {"file", "redis"}
+    assert {r["seed"] for r in doc["needle"]["int4"]} == {r["seed"] for r in doc["needle"]["bf16"]}  # same samples
+    assert main(["bench", "store", "--codecs", "int8", *_args(folders, tmp_path / "s")]) != 0
+    assert "include it in --codecs" in capsys.readouterr().err
+
+
+def test_bench_index_reports_recall_and_what_an_ingest_writes(tmp_path, capsys):
+    out = tmp_path / "index.json"
+    assert main(["bench", "index", "--sizes", "3000", "--queries", "20", "--ingest", "50", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["kind"] for r in rows} == {"flat", "ivf", "hnsw"}
+    flat = next(r for r in rows if r["kind"] == "flat")
+    assert flat["recall"] == 1.0
+    assert all(0 <= r["recall"] <= 1 and r["ingest_written_mb"] < r["index_mb"] / 10 for r in rows)
+    assert "written/index" in capsys.readouterr().out
+
+
 def test_bench_fidelity_frontier_places_each_mode_at_its_ttft(folders, tmp_path, capsys):
     """--frontier on the fidelity bench: every point timed in the same run (TTFT / full), KL read
     off each mode's curve at the budget (lower is better), the frontier and its plot."""

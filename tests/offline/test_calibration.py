@@ -230,10 +230,10 @@ def test_profiles_are_read_once_and_again_after_a_write_or_a_catch_up(tiny_pair,
 
     cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4))
     eng = CacheClipEngine(*tiny_pair, tmp_path / "s", cfg)
-    ids = eng.ingest(CORPUS[:3], progress=False)
     reads = []
     read = eng.store.read_profiles
     eng.store.read_profiles = lambda *pair: (reads.append(pair) if pair else None) or read(*pair)  # a pair's reads
+    ids = eng.ingest(CORPUS[:3], progress=False)  # the aux depth asks the profiles: the one read
     for _ in range(3):
         eng.answer(Q, chunk_ids=ids, max_new_tokens=1)
     assert len(reads) == 1

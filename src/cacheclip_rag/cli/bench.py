@@ -7,11 +7,13 @@ from importlib import resources
 from pathlib import Path
 
 from ..config import AUTO, ChunkConfig, EngineConfig
+from ..config import IndexConfig as IndexConfigDefaults
 from ..eval import oracle  # noqa: F401  (registers the analysis-only oracle mode for bench and ask)
 from ..hardware import describe as describe_cpu
 from ..paths import cache_dir
 from ..request import selector as registry
 from ..request.options import ratio_arg
+from ..storage.codecs import names as codec_choices
 from .common import add_common, add_dtype, engine_from_args, progress_bar
 
 
@@ -416,6 +418,92 @@ def _qa_diagnose(args, items, engine) -> int:
     return 0
 
 
+def _bench_index(args) -> int:
+    """`bench index`: the chunk index at corpus sizes (synthetic clustered embeddings)."""
+    from ..config import IndexConfig
+    from ..eval import index_bench
+
+    _header(args)
+    cfg = IndexConfig(nprobe=args.nprobe, ef_search=args.ef_search)
+    rows = []
+    for size in args.sizes:
+        kinds = [k for k in args.kinds if k != "hnsw" or size <= args.hnsw_max]
+        if len(kinds) < len(args.kinds):
+            print(f"(hnsw left out at {size} vectors: building it takes too long on this machine; --hnsw-max)")
+        rows += index_bench.measure(size, kinds, cfg, queries=args.queries, k=args.k, ingest=args.ingest)
+        print(index_bench.table([r for r in rows if r.size == size]), flush=True)
+    print(f"\nrecall@{args.k} against the flat index's exact top {args.k}; one query at a time; nprobe {args.nprobe}, "
+          f"efSearch {args.ef_search}; 'written' is what an ingest of {args.ingest} chunks writes (a segment)")
+    print(index_bench.table(rows))
+    if args.json:
+        index_bench.write_json(rows, args.json, {"cpu": describe_cpu(), "nprobe": args.nprobe,
+                                                 "ef_search": args.ef_search, "queries": args.queries})
+    return 0
+
+
+def _bench_store(args) -> int:
+    """`bench store`: every codec's bytes, encode/decode time, needle score, KL and TTFT, one run."""
+    from ..eval import fidelity, needle
+    from ..eval import store_bench as sb
+    from .common import engine_config
+
+    _header(args)
+    names = args.codecs
+    if "bf16" not in names:
+        raise ValueError(f"bench store pairs every codec with bf16: include it in --codecs (got {names})")
+    probe = _engine(args)
+    primary, aux = probe.primary.lm, probe.aux.lm
+    probe.close()
+    cfg = engine_config(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=0))
+    root = Path(args.store) / "codecs"
+    engines = sb.open_engines(primary, aux, root, names, cfg, args.redis)
+    bench = sb.StoreBench()
+    modes = _mode_list(args.modes or ["reuse", "cacheclip", "prophetkv"], args.ratios or [0.2])
+    try:
+        for codec in names:
+            engine = engines[(codec, "file")]
+            step = progress_bar(len(args.lengths) * len(args.variants or needle.VARIANTS) * args.samples,
+                                f"needle {codec}", "sample")
+            bench.needle[codec] = needle.run(engine, modes, args.variants, args.lengths, args.samples, args.seed,
+                                             max_new_tokens=args.max_new_tokens, progress=step, budget="keep")
+            if args.fidelity_samples:
+                step = progress_bar(len(args.lengths) * len(args.variants or needle.VARIANTS) * args.fidelity_samples,
+                                    f"fidelity {codec}", "sample")
+                bench.fidelity[codec] = fidelity.run(engine, [m for m in modes if m[0] != "full"], args.variants,
+                                                     args.lengths, args.fidelity_samples, args.seed,
+                                                     answer_tokens=args.answer_tokens, budget="keep", progress=step)
+            bench.costs.append(sb.codec_cost(engine, codec, sb.first_chunk(engine)))
+        timed = [m for m in modes if m[0] != "reuse"]
+        step = progress_bar(len(args.lengths) * args.runs * len(engines) * (len(timed) + 1), "ttft", "request")
+        bench.ttft = sb.ttft_rows(engines, args.ttft_lengths or args.lengths, needle.with_full(timed), args.runs,
+                                  progress=step)
+    finally:
+        sb.clear(engines)
+    print("\nBytes a token as stored (primary + aux at the aux depth kept), encode/decode of one layer's K and V "
+          f"of a {sb.CHUNK_TOKENS}-token chunk:")
+    print(sb.cost_table(bench.costs))
+    for codec in names:
+        print(f"\nNeedle suite, codec {codec} (budget keep):")
+        print(needle.table(needle.summarize(bench.needle[codec])))
+    print("\nNeedle score, codec - bf16 on the same samples (points; 95% bootstrap interval):")
+    print(sb.paired_table(sb.paired_vs_bf16(bench.needle, "score"), 100, 1))
+    if bench.fidelity:
+        for codec in names:
+            print(f"\nFidelity, codec {codec}:")
+            print(fidelity.table(fidelity.summarize(bench.fidelity[codec])))
+        print("\nKL(full || mode), codec - bf16 on the same samples:")
+        print(sb.paired_table(sb.paired_vs_bf16(bench.fidelity, "kl"), 1, 4))
+    print("\nTTFT, codecs and stores alternated run by run, cold (medians):")
+    print(sb.ttft_table(bench.ttft))
+    print(f"\nA corpus of N chunks of {sb.CHUNK_TOKENS} tokens (peer primaries: their published shapes at this "
+          "codec's measured primary ratio, with this aux):")
+    print(sb.projection_table(sb.projection(bench.costs, primary, aux)))
+    if args.json:
+        sb.write_json(bench, {"cpu": describe_cpu(), "args": {k: v for k, v in vars(args).items() if k != "func"}},
+                      args.json)
+    return 0
+
+
 def _engine_flags(p) -> None:
     add_common(p, store_default=str(cache_dir() / "bench-store"))
     p.add_argument("--chunk-tokens", type=int, default=256)
@@ -581,6 +669,36 @@ def add_commands(sub) -> None:
                                       "this project's jsonl): every mode on the same questions, paired, resumable")
     _qa_flags(p, data=None)
     p.set_defaults(func=_bench_qa)
+
+    p = benches.add_parser("index", help="the chunk index at 10^4..10^6 vectors: build time, search p50/p99, "
+                           "recall@k against flat, bytes an ingest writes")
+    p.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    p.add_argument("--kinds", nargs="+", choices=["flat", "ivf", "hnsw"], default=["flat", "ivf", "hnsw"])
+    p.add_argument("--hnsw-max", type=int, default=100_000, help="largest size HNSW is built at")
+    p.add_argument("--queries", type=int, default=200)
+    p.add_argument("--k", type=int, default=8)
+    p.add_argument("--ingest", type=int, default=1000, help="chunks ingested after the build (what they write)")
+    p.add_argument("--nprobe", type=int, default=IndexConfigDefaults.nprobe)
+    p.add_argument("--ef-search", type=int, default=IndexConfigDefaults.ef_search)
+    p.add_argument("-v", "--verbose", action="store_true")
+    add_dtype(p)
+    _out_flags(p)
+    p.set_defaults(func=_bench_index)
+
+    p = benches.add_parser("store", help="each KV codec side by side: bytes a token, encode/decode time, needle "
+                           "score and KL paired against bf16, TTFT from a folder and Redis, corpus size projected")
+    _engine_flags(p)
+    p.add_argument("--codecs", nargs="+", choices=codec_choices(), default=codec_choices())
+    p.add_argument("--redis", default=None, metavar="URL", help="also time loading from this Redis (redis://host:port/0)")
+    _mode_flags(p, "reuse cacheclip prophetkv")
+    _suite_flags(p)
+    p.add_argument("--fidelity-samples", type=int, default=2, help="samples per variant and length for KL (0: none)")
+    p.add_argument("--answer-tokens", type=int, default=16, help="answer tokens the KL is read over")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--runs", type=int, default=3, help="TTFT runs per codec, store and mode")
+    p.add_argument("--ttft-lengths", type=int, nargs="+", default=None, help="TTFT lengths (default: --lengths)")
+    _out_flags(p)
+    p.set_defaults(func=_bench_store)
 
     p = sub.add_parser("eval", help="QA from a file: `cacheclip bench qa`, on the shipped invented questions by default")
     _qa_flags(p, data=str(resources.files("cacheclip_rag") / "data" / "qa_invented.jsonl"))
