@@ -3,7 +3,8 @@ for KV Cache", arXiv 2402.02750): keys per channel (a group is 64 neighbouring t
 channel, since key outliers sit in fixed channels), values per token (a group is 64 channels of
 one token); asymmetric, a float16 step and minimum per group, two codes a byte. 4.5 bits an
 element: 3.5x fewer bytes than bf16 (a chunk's last, partial key group costs a little more).
-Error at most half a step: (max - min) / 30 of its group."""
+Error at most half a step ((max - min) / 30 of its group), plus the float32 arithmetic of the
+decode (2^-22 of the value)."""
 
 from __future__ import annotations
 
@@ -41,21 +42,29 @@ class Int4:
         packed, step, lo = quant.split_bytes(stored, (torch.uint8, (tokens, head_dim // 2)),
                                              (torch.float16, scale_shape), (torch.float16, scale_shape))
         codes = quant.unpack4(packed)  # [H, T, D]
-        if kind == "k":
-            g, _ = quant.groups(codes.transpose(1, 2), GROUP)  # [H, D, groups, G]
-            return quant.dequantize(g, step, lo, tokens).transpose(1, 2).to(dtype)
-        g, _ = quant.groups(codes, quant.group_size(head_dim, GROUP))
-        return quant.dequantize(g, step, lo, head_dim).to(dtype)
+        if kind == "v":
+            g = codes.reshape(*codes.shape[:2], n, -1)  # [H, T, groups, G]: channels split evenly
+            return quant.dequantize(g, step, lo, head_dim).to(dtype)
+        out = torch.empty(codes.shape, dtype=dtype)  # keys: groups of GROUP tokens share a channel's scale
+        heads, full = codes.shape[0], tokens // GROUP * GROUP
+        if full:
+            g = codes[:, :full].reshape(heads, full // GROUP, GROUP, head_dim)  # [H, groups, G, D]
+            s = step[..., :full // GROUP].float().transpose(1, 2).unsqueeze(2)
+            z = lo[..., :full // GROUP].float().transpose(1, 2).unsqueeze(2)
+            out[:, :full] = (torch.mul(g, s) + z).reshape(heads, full, head_dim)
+        if full < tokens:
+            out[:, full:] = torch.mul(codes[:, full:], step[..., -1].float().unsqueeze(1)) + lo[..., -1].float().unsqueeze(1)
+        return out
 
     def bound(self, kind: Kind, x: torch.Tensor) -> torch.Tensor:
         _, step, _ = self._quantize(kind, x)
         tokens, dim = x.shape[1], x.shape[2]
         if kind == "k":
-            size = GROUP
-            half = step.float().unsqueeze(-1).expand(*step.shape, size) / 2
-            return quant.ungroup(half, tokens).transpose(1, 2)
-        size = quant.group_size(dim, GROUP)
-        return quant.ungroup(step.float().unsqueeze(-1).expand(*step.shape, size) / 2, dim)
+            spread = quant.ungroup(step.float().unsqueeze(-1).expand(*step.shape, GROUP), tokens).transpose(1, 2)
+        else:
+            size = quant.group_size(dim, GROUP)
+            spread = quant.ungroup(step.float().unsqueeze(-1).expand(*step.shape, size), dim)
+        return quant.bound_of(spread, x.float().abs() + 15 * spread)  # the product code x step is at most 15 steps
 
     @staticmethod
     def _quantize(kind: Kind, x: torch.Tensor):

@@ -69,10 +69,21 @@ def asymmetric(x: torch.Tensor, bits: int, size: int) -> tuple[torch.Tensor, tor
 
 def dequantize(codes: torch.Tensor, step: torch.Tensor, lo: torch.Tensor | None, n: int) -> torch.Tensor:
     """codes [..., groups, size] with steps (and minima) [..., groups] -> float32 [..., n]."""
-    out = codes.float() * step.float().unsqueeze(-1)
+    out = torch.mul(codes, step.float().unsqueeze(-1))  # int x float32 -> float32, one pass
     if lo is not None:
         out += lo.float().unsqueeze(-1)
     return ungroup(out, n)
+
+
+ROUNDING = 2.0 ** -22
+"""The decode's float32 arithmetic moves a value by at most this share of the largest value it
+handles (a product and a sum, each rounded to within 2^-24 of its own size); a codec's bound adds it."""
+
+
+def bound_of(step: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
+    """Half a step (rounding to the code) plus the float32 arithmetic of the decode on values of
+    at most `size` (the decoded value, and the product code x step where a minimum is added)."""
+    return step / 2 + (size + step / 2) * ROUNDING
 
 
 def pack4(codes: torch.Tensor) -> torch.Tensor:
@@ -96,7 +107,10 @@ def as_bytes(*parts: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def split_bytes(stored: torch.Tensor, *specs: tuple[torch.dtype, tuple[int, ...]]) -> list[torch.Tensor]:
-    """`as_bytes` undone: [H, bytes] -> one tensor per (dtype, shape after the head axis)."""
+    """`as_bytes` undone: [H, bytes] -> one tensor per (dtype, shape after the head axis), views
+    of `stored` where the byte offsets allow (no copy), else copies."""
+    if stored.dim() != 2 or stored.dtype != torch.uint8:
+        raise ValueError(f"stored tensor must be [heads, bytes] uint8, got {tuple(stored.shape)} {stored.dtype}")
     heads, out, at = stored.shape[0], [], 0
     for dtype, shape in specs:
         count = 1
@@ -105,7 +119,12 @@ def split_bytes(stored: torch.Tensor, *specs: tuple[torch.dtype, tuple[int, ...]
         width = count * torch.empty((), dtype=dtype).element_size()
         if at + width > stored.shape[1]:
             raise ValueError(f"stored tensor holds {stored.shape[1]} bytes a head; its layout needs at least {at + width}")
-        out.append(stored[:, at:at + width].contiguous().view(dtype).reshape(heads, *shape))
+        part = stored[:, at:at + width]
+        try:
+            part = part.view(dtype)
+        except RuntimeError:  # offsets not aligned to the dtype: copy
+            part = part.contiguous().view(dtype)
+        out.append(part.reshape(heads, *shape))
         at += width
     if at != stored.shape[1]:
         raise ValueError(f"stored tensor holds {stored.shape[1]} bytes a head; its layout needs {at}")
