@@ -243,9 +243,12 @@ class StoreConfig:
     caches are upcast as they are assembled. "float32" keeps full precision. A storage dtype
     other than the compute dtype gets its own namespace, so precisions never mix.
     kv_codec: how each layer's K and V are kept (`storage/codecs/`): "bf16" as they are (in
-    kv_dtype), "int8" (1.94x fewer bytes), "int4" (KIVI-style, 3.5x fewer). A codec other than
-    "bf16" gets its own namespace, so a namespace never mixes codecs and caches written with
-    another stay readable by an engine that names it. Checked by name when the store opens.
+    kv_dtype), "int8" (1.94x fewer bytes), "int4" (KIVI-style, 3.5x fewer), or "auto": the codec
+    a model's caches already have in the store (a store written before codecs stays bf16 and is
+    not re-encoded), else int8 (bf16 where kv_dtype names a precision: it is kept). A codec
+    other than "bf16" gets its own namespace, so a namespace
+    never mixes codecs and caches written with another stay readable by an engine that names it.
+    Checked by name when the store opens.
     aux_depth: how many of the aux model's layers its chunk caches keep. "auto": up to the
     deepest layer any scoring profile of the pair reads (the engine config's score_layers, the
     store's or the shipped profiles); a request or calibration that reads deeper re-encodes the
@@ -258,7 +261,7 @@ class StoreConfig:
 
     memory_bytes: int = 512 * 1024 * 1024
     kv_dtype: str = "auto"
-    kv_codec: str = "bf16"
+    kv_codec: str = "auto"
     aux_depth: str = "auto"
     max_bytes: int | None = None
 
@@ -268,7 +271,8 @@ class StoreConfig:
         if self.kv_dtype not in ("auto", *DTYPES):
             raise ValueError(f"kv_dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.kv_dtype!r}")
         if not isinstance(self.kv_codec, str) or not self.kv_codec:
-            raise ValueError(f"kv_codec must be a codec name such as 'bf16', 'int8' or 'int4', got {self.kv_codec!r}")
+            raise ValueError(f"kv_codec must be 'auto' or a codec name such as 'bf16', 'int8' or 'int4', got "
+                             f"{self.kv_codec!r}")
         if self.aux_depth not in ("auto", "all"):
             raise ValueError(f"aux_depth must be 'auto' or 'all', got {self.aux_depth!r}")
         if self.max_bytes is not None and (isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int)

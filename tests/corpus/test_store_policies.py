@@ -50,8 +50,9 @@ def _aux_layers(eng, cid):
 def test_aux_caches_keep_only_the_layers_scoring_reads(tiny_pair, tmp_path):
     """The tiny aux has 2 layers; scoring with layer 0 stores 1. A request that scores with layer
     1 re-encodes (and stores) the chunks it uses with both; answers equal a store that keeps all."""
-    shallow = EngineConfig(chunk=CHUNKING, select=SelectConfig(score_layers=(0,)))
-    full = EngineConfig(chunk=CHUNKING, select=SelectConfig(score_layers=(0,)), store=StoreConfig(aux_depth="all"))
+    shallow = EngineConfig(chunk=CHUNKING, select=SelectConfig(score_layers=(0,)), store=StoreConfig(kv_codec="bf16"))
+    full = EngineConfig(chunk=CHUNKING, select=SelectConfig(score_layers=(0,)),
+                        store=StoreConfig(aux_depth="all", kv_codec="bf16"))
     with CacheClipEngine(*tiny_pair, tmp_path / "all", full) as eng:
         ids = eng.ingest(CORPUS, progress=False)
         assert {_aux_layers(eng, cid) for cid in ids} == {2}

@@ -189,11 +189,13 @@ def test_bf16_storage_round_trip(tiny_pair, tmp_path):
 
     primary, aux = tiny_pair
     chunking = ChunkConfig(chunk_tokens=24, overlap_tokens=4)
-    plain = CacheClipEngine(primary, aux, tmp_path / "store", EngineConfig(chunk=chunking, store=StoreConfig(kv_dtype="float32")))
+    plain = CacheClipEngine(primary, aux, tmp_path / "store",
+                            EngineConfig(chunk=chunking, store=StoreConfig(kv_dtype="float32", kv_codec="bf16")))
     assert StoreConfig().storage_dtype(torch.float32) == torch.bfloat16  # "auto": bf16 storage for fp32 models
     assert StoreConfig().storage_dtype(torch.float16) == torch.float16
     ids = plain.ingest(CORPUS, progress=False)
-    half = CacheClipEngine(primary, aux, tmp_path / "store", EngineConfig(chunk=chunking, store=StoreConfig(kv_dtype="bfloat16")))
+    half = CacheClipEngine(primary, aux, tmp_path / "store",
+                           EngineConfig(chunk=chunking, store=StoreConfig(kv_dtype="bfloat16", kv_codec="bf16")))
     assert half.primary.namespace != plain.primary.namespace and half.primary.storage == torch.bfloat16
     half.ingest(CORPUS, progress=False)
     on_disk = half.store.backend.get(half.primary.namespace, ids[0])

@@ -112,12 +112,17 @@ def test_a_tiny_models_real_caches_round_trip_within_the_bound(tiny_pair, tmp_pa
                 assert ((b.float() - a.float()).abs() <= bound).all()
 
 
+def _assembled(lm, tmp_path, codec):
+    """A request's layout and its cache assembled from caches written with `codec` and read back."""
+    layout, prefix_kv, kvs = _request(lm)
+    decoded, prefix = _through_store(tmp_path, codec, kvs, prefix_kv)
+    return layout, assemble(lm, layout, prefix.to(torch.float32), {k: v.to(torch.float32) for k, v in decoded.items()})
+
+
 @pytest.mark.parametrize("codec", CODECS)
 def test_full_recompute_through_decoded_caches_is_a_full_prefill(tiny_pair, tmp_path, codec):
     lm = tiny_pair[0]
-    layout, prefix_kv, kvs = _request(lm)
-    decoded, prefix = _through_store(tmp_path, codec, kvs, prefix_kv)
-    cache = assemble(lm, layout, prefix.to(torch.float32), {k: v.to(torch.float32) for k, v in decoded.items()})
+    layout, cache = _assembled(lm, tmp_path, codec)
     logits = recompute_rows(lm, cache, layout.input_ids, torch.arange(layout.num_tokens)).logits
     with torch.inference_mode():
         ref = lm.model(input_ids=layout.input_ids[None], cache=DynamicCache(), use_cache=True)
@@ -127,9 +132,7 @@ def test_full_recompute_through_decoded_caches_is_a_full_prefill(tiny_pair, tmp_
 @pytest.mark.parametrize("codec", CODECS)
 def test_zero_recompute_is_direct_reuse_of_the_decoded_caches(tiny_pair, tmp_path, codec):
     lm = tiny_pair[0]
-    layout, prefix_kv, kvs = _request(lm)
-    decoded, prefix = _through_store(tmp_path, codec, kvs, prefix_kv)
-    cache = assemble(lm, layout, prefix.to(torch.float32), {k: v.to(torch.float32) for k, v in decoded.items()})
+    layout, cache = _assembled(lm, tmp_path, codec)
     question = layout.segments[-1]
     reused = [(k[:, :, :question.start].clone(), v[:, :, :question.start].clone()) for k, v in zip(cache.keys, cache.values)]
     logits = recompute_rows(lm, cache, layout.input_ids, layout.uncached_rows()).logits

@@ -88,9 +88,10 @@ def add_common(p: argparse.ArgumentParser, store_default: str | None = "cachecli
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="storage dtype of the chunk caches (auto: bf16 for float32 models, else the compute dtype); "
                    "each has its own namespace")
-    p.add_argument("--kv-codec", default=None, choices=codec_names(),
-                   help=f"how chunk caches are kept (default {StoreConfig().kv_codec}): bf16 as they are, int8 "
-                   "(1.94x fewer bytes), int4 (KIVI-style, 3.5x fewer); each has its own namespace")
+    p.add_argument("--kv-codec", default=None, choices=["auto", *codec_names()],
+                   help="how chunk caches are kept: auto (default: the codec the store already holds for the model, "
+                   "else int8), bf16 as they are, int8 (1.94x fewer bytes), int4 (KIVI-style, 3.5x fewer); each has "
+                   "its own namespace")
     p.add_argument("--max-gb", type=float, default=None,
                    help="bound the folder store's caches to this many GiB (recorded in the store): the least "
                    "recently used are dropped and rebuilt from their text when next used")

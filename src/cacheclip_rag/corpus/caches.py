@@ -16,7 +16,8 @@ import torch
 from ..config import PromptConfig
 from ..models.loading import LoadedModel
 from ..storage.backends.base import PREFIX_KEY
-from ..storage.codecs import DEFAULT_CODEC
+from ..storage.codecs import AUTO, AUTO_CODEC, DEFAULT_CODEC
+from ..storage.codecs import names as codec_names
 from ..storage.record import ChunkKV, DamagedCacheError, LayerReader
 from ..storage.store import KVStore
 from .encode import Template, chat_template, encode_prefix, encode_segment, tokenize
@@ -71,8 +72,13 @@ class ChunkCaches:
         template = chat_template(lm, prompt)
         prefix_ids, _ = tokenize(lm, template.prefix, special=True)
         storage = store.cfg.storage_dtype(lm.dtype)
-        codec = store.cfg.kv_codec
         digest = adapters.digest() if adapters is not None else None
+        codec = store.cfg.kv_codec
+        if codec == AUTO:  # the codec this model's caches already have in the store, else the default
+            described = store.read_manifest().get("namespaces", {})
+            fresh = AUTO_CODEC if store.cfg.kv_dtype == "auto" else DEFAULT_CODEC  # a dtype asked for: kept as is
+            codec = next((c for c in (fresh, *codec_names()) if namespace_of(lm, prefix_ids, storage, digest, c)
+                          in described), fresh)
         caches = cls(lm, template, prefix_ids, namespace_of(lm, prefix_ids, storage, digest, codec), store, role,
                      storage, adapters, depth, codec)
         about = {"role": role, "model": lm.name, "fingerprint": lm.fingerprint, "dtype": _name(lm.dtype),
@@ -99,7 +105,7 @@ class ChunkCaches:
             kv = self.store.get_kv(self.namespace, PREFIX_KEY)
             if kv is None or not torch.equal(kv.token_ids, self.prefix_ids):
                 kv = encode_prefix(self.lm, self.template.prefix).to(self.storage)
-                self.store.put_kv(self.namespace, PREFIX_KEY, kv, codec=self.codec)
+                kv = self.store.put_kv(self.namespace, PREFIX_KEY, kv, codec=self.codec)
             self._prefix = kv
         return self._prefix
 
@@ -174,11 +180,15 @@ class ChunkCaches:
         else:
             kv = encode_segment(self.lm, self.prefix_ids, text).to(self.storage)
         depth = self.stored_depth(layers)
-        stored = kv.first_layers(depth) if depth is not None else kv
-        self.store.put_kv(self.namespace, chunk_id, stored, remember=remember and stored is kv, codec=self.codec)
-        if remember and stored is not kv:
+        cut = kv.first_layers(depth) if depth is not None else kv
+        stored = self.store.put_kv(self.namespace, chunk_id, cut, remember=remember and cut is kv, codec=self.codec)
+        if remember and cut is not kv:
             self.store.remember(self.namespace, chunk_id, stored, whole=False)
-        return kv
+        if cut is kv:
+            return stored
+        # as a read serves it: the stored layers as stored, the deeper ones (asked for, not kept) as computed
+        return ChunkKV(stored.keys + kv.keys[len(stored.keys):], stored.values + kv.values[len(stored.values):],
+                       kv.token_ids, kv.offsets, kv.start_pos)
 
     def rebuild(self, chunk_id: str, why: Exception) -> ChunkKV:
         """A cache found damaged while loading: drop it and encode it again from the stored text."""

@@ -10,8 +10,9 @@ What is stored (the bytes live in a `backends.KVBackend`: a folder, memory, or R
 
 A namespace is a hex digest of (model fingerprint, shared-prefix token ids): a cache is valid
 only for the model and prefix it was computed with. Stored names are hashes, so no chunk id or
-model name ever becomes a path or a server key. A namespace holds caches of one codec (recorded
-in the manifest; a write or a record of another is refused). Every backend writes atomically. Each cache
+model name ever becomes a path or a server key. A namespace holds chunk caches of one codec
+(recorded in the manifest; a write or a record of another is refused); its shared prefix is
+always kept as it is (bf16), since every request reads it. Every backend writes atomically. Each cache
 carries a checksum per tensor (XXH3-128; caches written before it carry sha256, still checked);
 a cache that fails to parse or to match its checksums is removed and reported missing, and the
 engine rebuilds it from the chunk's text. This checking is here, once, above every backend.
@@ -34,7 +35,7 @@ from ..config import StoreConfig
 from . import codecs
 from . import profiles as profile_lib
 from .backends import KVBackend, StoreUnavailableError, open_backend
-from .backends.base import check_namespace
+from .backends.base import PREFIX_KEY, HeldRecord, check_namespace
 from .memory_tier import MemoryTier
 from .profiles import Profile
 from .record import (
@@ -83,7 +84,7 @@ class KVStore:
         else:
             self.backend = location
         self.cfg = cfg or StoreConfig()
-        codecs.get(self.cfg.kv_codec)  # an unknown codec is refused by name before anything is written
+        codecs.check(self.cfg.kv_codec)  # an unknown codec is refused by name before anything is written
         self._codecs: dict[str, str] = {}
         self.stats = StoreStats()
         self._by_namespace: dict[str, StoreStats] = {}
@@ -246,7 +247,7 @@ class KVStore:
                     if record is None:
                         continue
                     key = record.meta.get("key", "")
-                    reader = LayerReader(record, ns, key, self.codec_of(ns))
+                    reader = LayerReader(record, ns, key, self._record_codec(ns, key))
                     for i in range(reader.num_layers):
                         reader.layer(i)
                     reader.close()
@@ -332,19 +333,28 @@ class KVStore:
     def codec_of(self, namespace: str) -> str:
         """The codec a namespace's caches are kept with: as its manifest entry records it (absent
         there: bf16, as every store before codecs), or for a namespace not yet described, this
-        store's `StoreConfig.kv_codec` (its first write records it)."""
+        store's `StoreConfig.kv_codec` (bf16 for "auto", which engines resolve themselves; its
+        first write records it)."""
         codec = self._codecs.get(namespace)
         if codec is None:
             info = self.read_manifest().get("namespaces", {}).get(namespace)
             if info is None:
-                return self.cfg.kv_codec
+                return codecs.DEFAULT_CODEC if self.cfg.kv_codec == codecs.AUTO else self.cfg.kv_codec
             codec = self._codecs[namespace] = info.get("kv_codec", codecs.DEFAULT_CODEC)
         return codec
 
-    def put_kv(self, namespace: str, key: str, kv: ChunkKV, remember: bool = True, codec: str | None = None) -> None:
+    def _record_codec(self, namespace: str, key: str) -> str:
+        """The codec a record is kept with: its namespace's, but the shared prefix's always bf16
+        (a few tokens every request reads: compressing it would save nothing and move them all)."""
+        return codecs.DEFAULT_CODEC if key == PREFIX_KEY else self.codec_of(namespace)
+
+    def put_kv(self, namespace: str, key: str, kv: ChunkKV, remember: bool = True, codec: str | None = None
+               ) -> ChunkKV:
         """Store `kv` under `key` (atomically, encoded with the namespace's codec, with checksums
         of the stored bytes) and, unless `remember` is False, keep it whole in the memory tier.
-        codec: the one the caller means to write; refused when the namespace holds another."""
+        codec: the one the caller means to write; refused when the namespace holds another.
+        Returns the cache as a read will serve it: `kv` itself, or decoded from what a lossy
+        codec stored (so that a request never depends on whether a cache came from memory)."""
         check_namespace(namespace)
         have = self.codec_of(namespace)
         if codec is not None and codec != have:
@@ -354,10 +364,14 @@ class KVStore:
             self.describe_namespace(namespace, {**(self.read_manifest().get("namespaces", {}).get(namespace) or {}),
                                                 "kv_codec": have})
             self._codecs[namespace] = have
-        self.backend.put(namespace, key, *to_record(kv, namespace, key, have))
+        tensors, meta = to_record(kv, namespace, key, self._record_codec(namespace, key))
+        self.backend.put(namespace, key, tensors, meta)
         self._count("writes", namespace=namespace)
+        if self._record_codec(namespace, key) != codecs.DEFAULT_CODEC:
+            kv = LayerReader(HeldRecord(tensors, meta), namespace, key, have).read_all()
         if remember:
             self._memory.put((namespace, key), kv)
+        return kv
 
     def get_kv(self, namespace: str, key: str) -> ChunkKV | None:
         """The cache of `key`, or None when it is missing or was damaged (and is now removed)."""
@@ -382,7 +396,7 @@ class KVStore:
             if record is None:
                 self._count("misses", namespace=namespace)
                 return None
-            reader = LayerReader(record, namespace, key, self.codec_of(namespace))
+            reader = LayerReader(record, namespace, key, self._record_codec(namespace, key))
             found = reader.read_all() if whole else reader
         except StoreUnavailableError:
             raise

@@ -57,6 +57,24 @@ class Record(Protocol):
     def close(self) -> None: ...
 
 
+class HeldRecord:
+    """A record's tensors and metadata held in memory, read like a stored one (the memory backend's
+    records; a record just encoded, read back before it is stored)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], meta: dict[str, str]):
+        self.meta = dict(meta)
+        self._tensors = tensors
+
+    def names(self) -> set[str]:
+        return set(self._tensors)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def close(self) -> None:
+        pass
+
+
 class KVBackend(Protocol):
     location: str
     """The path or URL the store was named by (for messages)."""

@@ -12,22 +12,10 @@ from pathlib import Path
 
 import torch
 
-from .base import hashed_name, register
+from .base import HeldRecord, hashed_name, register
 
 
-class MemoryRecord:
-    def __init__(self, tensors: dict[str, torch.Tensor], meta: dict[str, str]):
-        self.meta = dict(meta)
-        self._tensors = tensors
-
-    def names(self) -> set[str]:
-        return set(self._tensors)
-
-    def tensor(self, name: str) -> torch.Tensor:
-        return self._tensors[name]
-
-    def close(self) -> None:
-        pass
+MemoryRecord = HeldRecord
 
 
 class MemoryBackend:

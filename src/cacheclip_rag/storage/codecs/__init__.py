@@ -2,6 +2,6 @@
 file each behind `base.Codec`, chosen by `StoreConfig.kv_codec` and recorded per namespace."""
 
 from . import bf16, int4, int8  # noqa: F401  (each registers itself)
-from .base import DEFAULT_CODEC, Codec, Kind, get, names, register
+from .base import AUTO, AUTO_CODEC, DEFAULT_CODEC, Codec, Kind, check, get, names, register
 
-__all__ = ["DEFAULT_CODEC", "Codec", "Kind", "get", "names", "register"]
+__all__ = ["AUTO", "AUTO_CODEC", "DEFAULT_CODEC", "Codec", "Kind", "check", "get", "names", "register"]

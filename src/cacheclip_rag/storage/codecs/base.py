@@ -37,11 +37,25 @@ class Codec(Protocol):
 
 _CODECS: dict[str, Codec] = {}
 DEFAULT_CODEC = "bf16"
-"""The codec a namespace whose records name none was written with (every store before codecs)."""
+"""The codec a namespace whose records name none was written with (every store before codecs),
+and the one a namespace written through a bare `KVStore` gets when its config says "auto"."""
+AUTO = "auto"
+"""`StoreConfig.kv_codec` "auto": an engine keeps the codec its model's caches already have in the
+store, else takes `AUTO_CODEC`."""
+AUTO_CODEC = "int8"
+"""What "auto" gives a model's caches new to a store: `cacheclip bench store` measured int8 at
+1.94x fewer bytes than bf16 with the needle score and KL of bf16 (docs/storage.md)."""
 
 
 def register(codec: Codec) -> None:
     _CODECS[codec.name] = codec
+
+
+def check(name: str) -> str:
+    """`name` if it is "auto" or a known codec; a ValueError naming it and the known ones otherwise."""
+    if name != AUTO:
+        get(name)
+    return name
 
 
 def get(name: str) -> Codec:
@@ -49,7 +63,7 @@ def get(name: str) -> Codec:
     try:
         return _CODECS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown KV codec {name!r}; expected one of {names()}") from None
+        raise ValueError(f"unknown KV codec {name!r}; expected {AUTO!r} or one of {names()}") from None
 
 
 def names() -> list[str]:
