@@ -13,7 +13,8 @@ from cacheclip_rag.request.assemble import build_layout
 from cacheclip_rag.request.pipeline import assemble
 from cacheclip_rag.request.recompute import recompute_rows
 from cacheclip_rag.storage import codecs
-from cacheclip_rag.storage.record import ChunkKV
+from cacheclip_rag.storage.backends.base import HeldRecord
+from cacheclip_rag.storage.record import ChunkKV, DamagedCacheError, LayerReader, to_record
 from cacheclip_rag.storage.store import KVStore
 
 CODECS = ["bf16", "int8", "int4"]
@@ -164,6 +165,20 @@ def test_damaged_compressed_records_are_detected_and_dropped(tmp_path, codec, da
     fresh = KVStore(tmp_path)
     assert fresh.get_kv(NS, "c") is None
     assert fresh.stats.damaged == 1 and not path.exists()
+
+
+@pytest.mark.parametrize("layout", ["1", None, "x"])
+def test_a_record_of_another_layout_is_damage_not_misread(layout):
+    # int8's layout 1 kept keys per token: the same byte count as layout 2's per-channel keys at
+    # 64 channels and 64-token groups, so only the recorded layout tells them apart
+    tensors, meta = to_record(_kv(t=64), NS, "c", "int8")
+    assert meta["codec_layout"] == str(codecs.get("int8").layout) == "2"
+    if layout is None:
+        del meta["codec_layout"]  # a record of the release before layouts were recorded
+    else:
+        meta["codec_layout"] = layout
+    with pytest.raises(DamagedCacheError, match="layout|metadata"):
+        LayerReader(HeldRecord(tensors, meta), NS, "c", "int8")
 
 
 def test_a_damaged_compressed_record_is_rebuilt_from_its_text(tiny_pair, tmp_path):

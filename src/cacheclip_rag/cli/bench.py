@@ -473,10 +473,11 @@ def _bench_store(args) -> int:
                                                      args.lengths, args.fidelity_samples, args.seed,
                                                      answer_tokens=args.answer_tokens, budget="keep", progress=step)
             bench.costs.append(sb.codec_cost(engine, codec, sb.first_chunk(engine)))
-        timed = [m for m in modes if m[0] != "reuse"]
-        step = progress_bar(len(args.lengths) * args.runs * len(engines) * (len(timed) + 1), "ttft", "request")
-        bench.ttft = sb.ttft_rows(engines, args.ttft_lengths or args.lengths, needle.with_full(timed), args.runs,
-                                  progress=step)
+        if args.runs:
+            timed = [m for m in modes if m[0] != "reuse"]
+            step = progress_bar(len(args.lengths) * args.runs * len(engines) * (len(timed) + 1), "ttft", "request")
+            bench.ttft = sb.ttft_rows(engines, args.ttft_lengths or args.lengths, needle.with_full(timed),
+                                      args.runs, progress=step)
     finally:
         sb.clear(engines)
     print("\nBytes a token as stored (primary + aux at the aux depth kept), encode/decode of one layer's K and V "
@@ -493,8 +494,9 @@ def _bench_store(args) -> int:
             print(fidelity.table(fidelity.summarize(bench.fidelity[codec])))
         print("\nKL(full || mode), codec - bf16 on the same samples:")
         print(sb.paired_table(sb.paired_vs_bf16(bench.fidelity, "kl"), 1, 4))
-    print("\nTTFT, codecs and stores alternated run by run, cold (medians):")
-    print(sb.ttft_table(bench.ttft))
+    if bench.ttft:
+        print("\nTTFT, codecs and stores alternated run by run, cold (medians):")
+        print(sb.ttft_table(bench.ttft))
     print(f"\nA corpus of N chunks of {sb.CHUNK_TOKENS} tokens (peer primaries: their published shapes at this "
           "codec's measured primary ratio, with this aux):")
     print(sb.projection_table(sb.projection(bench.costs, primary, aux)))
@@ -694,8 +696,9 @@ def add_commands(sub) -> None:
     _suite_flags(p)
     p.add_argument("--fidelity-samples", type=int, default=2, help="samples per variant and length for KL (0: none)")
     p.add_argument("--answer-tokens", type=int, default=16, help="answer tokens the KL is read over")
-    p.add_argument("--max-new-tokens", type=int, default=24)
-    p.add_argument("--runs", type=int, default=3, help="TTFT runs per codec, store and mode")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="answer tokens generated (the multi-value needles need about 40)")
+    p.add_argument("--runs", type=int, default=3, help="TTFT runs per codec, store and mode (0: no TTFT)")
     p.add_argument("--ttft-lengths", type=int, nargs="+", default=None, help="TTFT lengths (default: --lengths)")
     _out_flags(p)
     p.set_defaults(func=_bench_store)

@@ -141,9 +141,8 @@ class ChunkCaches:
             reader = source
             try:
                 n = min(layers, reader.num_layers)
-                parts = [reader.layer(i) for i in range(n)]
-                kv = ChunkKV([k for k, _ in parts], [v for _, v in parts], reader.token_ids, reader.offsets,
-                             reader.start_pos)
+                keys, values = reader.first_layers(n)
+                kv = ChunkKV(keys, values, reader.token_ids, reader.offsets, reader.start_pos)
                 self.store.remember(self.namespace, chunk_id, kv, whole=n == reader.num_layers)
                 return kv
             except DamagedCacheError as err:

@@ -123,7 +123,8 @@ def to_record(kv: ChunkKV, namespace: str, key: str, codec: str = codecs.DEFAULT
         CHECKSUM: json.dumps(checksums(tensors), sort_keys=True),
     }
     if codec != codecs.DEFAULT_CODEC:  # records of the default codec stay as they always were
-        meta.update(codec=codec, head_dim=str(kv.keys[0].shape[-1]), dtype=str(kv.keys[0].dtype).removeprefix("torch."))
+        meta.update(codec=codec, codec_layout=str(coder.layout), head_dim=str(kv.keys[0].shape[-1]),
+                    dtype=str(kv.keys[0].dtype).removeprefix("torch."))
     return tensors, meta
 
 
@@ -154,8 +155,12 @@ class LayerReader:
             self._coder = codecs.get(self.codec)
             self._head_dim = int(meta.get("head_dim", 0))
             self._dtype = getattr(torch, meta["dtype"]) if "dtype" in meta else None
+            layout = int(meta.get("codec_layout", 1))
         except (ValueError, AttributeError) as err:
             raise DamagedCacheError(f"bad codec metadata ({err})") from err
+        if layout != self._coder.layout:
+            raise DamagedCacheError(f"a {self.codec!r} record of layout {layout}; this release reads layout "
+                                    f"{self._coder.layout}")
         if self.codec != codecs.DEFAULT_CODEC and (self._head_dim <= 0 or not isinstance(self._dtype, torch.dtype)):
             raise DamagedCacheError(f"a {self.codec!r} record without its head_dim and dtype")
         self._algorithm = next((name for name in HASHES if name in meta), None)
@@ -191,21 +196,39 @@ class LayerReader:
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of layer i: [kv_heads, T, head_dim] each, decoded (a stored tensor that does not
         fit the codec's layout is damage)."""
-        k, v = self._get(f"k.{i}"), self._get(f"v.{i}")
+        keys, values = self._decoded([self._get(f"k.{i}")], [self._get(f"v.{i}")], f"layer {i}")
+        return keys[0], values[0]
+
+    def first_layers(self, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """K and V of layers 0..n-1, each [kv_heads, T, head_dim], decoded together: one decode
+        over the layers side by side costs about half of n decodes of one (the per-op overhead of
+        small tensors dominates on CPUs), for reads that need every layer at once."""
+        n = min(n, self.num_layers)
+        return self._decoded([self._get(f"k.{i}") for i in range(n)], [self._get(f"v.{i}") for i in range(n)],
+                             f"layers 0-{n - 1}")
+
+    def _decoded(self, keys: list[torch.Tensor], values: list[torch.Tensor], what: str
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Stored [H, bytes] tensors of some layers -> decoded [H, T, D] ones (the heads of the
+        layers stacked are decoded as heads: a codec's layout is per head)."""
         if self.codec == codecs.DEFAULT_CODEC:
-            return k, v
+            return keys, values
         try:
-            return (self._coder.decode("k", k, self.num_tokens, self._head_dim, self._dtype),
-                    self._coder.decode("v", v, self.num_tokens, self._head_dim, self._dtype))
+            heads = keys[0].shape[0]
+            out = []
+            for kind, stored in (("k", keys), ("v", values)):
+                both = stored[0] if len(stored) == 1 else torch.cat(stored)
+                out.append(list(self._coder.decode(kind, both, self.num_tokens, self._head_dim, self._dtype).split(heads)))
+            return out[0], out[1]
         except (ValueError, RuntimeError) as err:
-            raise DamagedCacheError(f"layer {i} does not decode with codec {self.codec!r} ({err})") from err
+            raise DamagedCacheError(f"{what}: not decodable with codec {self.codec!r} ({err})") from err
 
     def read_all(self) -> ChunkKV:
         try:
-            layers = [self.layer(i) for i in range(self.num_layers)]
+            keys, values = self.first_layers(self.num_layers)
         finally:
             self.close()
-        return ChunkKV([k for k, _ in layers], [v for _, v in layers], self.token_ids, self.offsets, self.start_pos)
+        return ChunkKV(keys, values, self.token_ids, self.offsets, self.start_pos)
 
     def close(self) -> None:
         self._record.close()

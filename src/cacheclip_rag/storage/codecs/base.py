@@ -24,6 +24,10 @@ class Codec(Protocol):
     bits: float
     """Nominal bits per stored element, scales included (for docs and `cacheclip store stats`)."""
 
+    layout: int
+    """The version of its stored layout, kept in every record it writes: a record of another
+    layout (written by an older release) is damage, rebuilt from its text, never misread."""
+
     def encode(self, kind: Kind, x: torch.Tensor) -> torch.Tensor:
         """x: [H, T, D] (the storage dtype) -> the stored tensor (any shape and dtype; contiguous)."""
 

@@ -11,6 +11,7 @@ from .base import Kind, register
 class Plain:
     name = "bf16"
     bits = 16.0
+    layout = 1
 
     def encode(self, kind: Kind, x: torch.Tensor) -> torch.Tensor:
         return x.contiguous()

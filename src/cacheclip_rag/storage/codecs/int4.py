@@ -19,6 +19,7 @@ GROUP = 64
 class Int4:
     name = "int4"
     bits = 4 + 32 / GROUP
+    layout = 1
 
     def encode(self, kind: Kind, x: torch.Tensor) -> torch.Tensor:
         quant.check_range(x, self.name)
@@ -45,25 +46,11 @@ class Int4:
         if kind == "v":
             g = codes.reshape(*codes.shape[:2], n, -1)  # [H, T, groups, G]: channels split evenly
             return quant.dequantize(g, step, lo, head_dim).to(dtype)
-        out = torch.empty(codes.shape, dtype=dtype)  # keys: groups of GROUP tokens share a channel's scale
-        heads, full = codes.shape[0], tokens // GROUP * GROUP
-        if full:
-            g = codes[:, :full].reshape(heads, full // GROUP, GROUP, head_dim)  # [H, groups, G, D]
-            s = step[..., :full // GROUP].float().transpose(1, 2).unsqueeze(2)
-            z = lo[..., :full // GROUP].float().transpose(1, 2).unsqueeze(2)
-            out[:, :full] = (torch.mul(g, s) + z).reshape(heads, full, head_dim)
-        if full < tokens:
-            out[:, full:] = torch.mul(codes[:, full:], step[..., -1].float().unsqueeze(1)) + lo[..., -1].float().unsqueeze(1)
-        return out
+        return quant.dequantize_tokens(codes, step, lo, GROUP, dtype)
 
     def bound(self, kind: Kind, x: torch.Tensor) -> torch.Tensor:
         _, step, _ = self._quantize(kind, x)
-        tokens, dim = x.shape[1], x.shape[2]
-        if kind == "k":
-            spread = quant.ungroup(step.float().unsqueeze(-1).expand(*step.shape, GROUP), tokens).transpose(1, 2)
-        else:
-            size = quant.group_size(dim, GROUP)
-            spread = quant.ungroup(step.float().unsqueeze(-1).expand(*step.shape, size), dim)
+        spread = quant.token_spread(step, GROUP, x.shape[1]) if kind == "k" else quant.channel_spread(step, x.shape[2])
         return quant.bound_of(spread, x.float().abs() + 15 * spread)  # the product code x step is at most 15 steps
 
     @staticmethod

@@ -75,6 +75,39 @@ def dequantize(codes: torch.Tensor, step: torch.Tensor, lo: torch.Tensor | None,
     return ungroup(out, n)
 
 
+def dequantize_tokens(codes: torch.Tensor, step: torch.Tensor, lo: torch.Tensor | None, size: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """Keys quantized per channel along tokens back to values: codes [H, T, D] with steps (and
+    minima) [H, D, ceil(T / size)], each shared by `size` neighbouring tokens of one channel ->
+    [H, T, D] in `dtype`, decoded group by group (no [H, D, T] float32 copy)."""
+    heads, tokens, dim = codes.shape
+    out = torch.empty(codes.shape, dtype=dtype)
+    full = tokens // size * size
+    if full:
+        g = codes[:, :full].reshape(heads, full // size, size, dim)  # [H, groups, G, D]
+        x = torch.mul(g, step[..., :full // size].float().transpose(1, 2).unsqueeze(2))
+        if lo is not None:
+            x += lo[..., :full // size].float().transpose(1, 2).unsqueeze(2)
+        out[:, :full] = x.reshape(heads, full, dim)
+    if full < tokens:
+        x = torch.mul(codes[:, full:], step[..., -1].float().unsqueeze(1))
+        if lo is not None:
+            x += lo[..., -1].float().unsqueeze(1)
+        out[:, full:] = x
+    return out
+
+
+def token_spread(step: torch.Tensor, size: int, tokens: int) -> torch.Tensor:
+    """Per-channel steps [H, D, groups] of `size` tokens each -> [H, T, D] float32, each element's."""
+    return ungroup(step.float().unsqueeze(-1).expand(*step.shape, size), tokens).transpose(1, 2)
+
+
+def channel_spread(step: torch.Tensor, n: int) -> torch.Tensor:
+    """Per-token steps [H, T, groups] of channels -> [H, T, n] float32, each element's."""
+    size = -(-n // step.shape[-1])
+    return ungroup(step.float().unsqueeze(-1).expand(*step.shape, size), n)
+
+
 ROUNDING = 2.0 ** -22
 """The decode's float32 arithmetic moves a value by at most this share of the largest value it
 handles (a product and a sum, each rounded to within 2^-24 of its own size); a codec's bound adds it."""
