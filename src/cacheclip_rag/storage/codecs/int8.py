@@ -44,7 +44,7 @@ class Int8:
 
     def bound(self, kind: Kind, x: torch.Tensor) -> torch.Tensor:
         _, step = self._quantize(kind, x)
-        spread = quant.token_spread(step, GROUP, x.shape[1]) if kind == "k" else quant.channel_spread(step, x.shape[2])
+        spread = quant.element_steps(kind, step, x.shape, GROUP)
         return quant.bound_of(spread, x.float().abs())
 
     @staticmethod

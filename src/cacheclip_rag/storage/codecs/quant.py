@@ -108,6 +108,12 @@ def channel_spread(step: torch.Tensor, n: int) -> torch.Tensor:
     return ungroup(step.float().unsqueeze(-1).expand(*step.shape, size), n)
 
 
+def element_steps(kind: str, step: torch.Tensor, shape: torch.Size, size: int) -> torch.Tensor:
+    """Each element's step, [H, T, D] float32, for the layout the integer codecs share: keys
+    ("k") per channel over `size` tokens, values per token over channels."""
+    return token_spread(step, size, shape[1]) if kind == "k" else channel_spread(step, shape[2])
+
+
 ROUNDING = 2.0 ** -22
 """The decode's float32 arithmetic moves a value by at most this share of the largest value it
 handles (a product and a sum, each rounded to within 2^-24 of its own size); a codec's bound adds it."""
