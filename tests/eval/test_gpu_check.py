@@ -67,3 +67,20 @@ def test_the_bundle_stays_under_its_limit_and_is_used_only_where_needed(tmp_path
     assert [w.name.split("-")[0] for w in taken] == ["transformers"]  # its dependencies are satisfied here
     bundle.unpack(taken, tmp_path / "site")
     assert (tmp_path / "site" / "transformers" / "__init__.py").is_file()
+
+
+def test_a_failing_part_is_recorded_and_the_next_parts_still_run(tmp_path, monkeypatch):
+    from cacheclip_rag.eval import gpu
+
+    def broken(plan):
+        raise RuntimeError("kernel launch failed")
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(gpu, "kernel_part", broken)
+    monkeypatch.setattr(gpu, "oracle_part", lambda plan, out: ({"returncode": 0}, "oracles ok"))
+    monkeypatch.setattr(gpu, "ttft_part", lambda plan, store, deadline: ([], f"ttft {store}"))
+    summary = gpu.check(tmp_path, dry_run=True)
+    assert summary["parts"]["kernel"].startswith("failed") and "kernel launch failed" in summary["parts"]["kernel"]
+    assert "RuntimeError: kernel launch failed" in (tmp_path / "kernel.txt").read_text()
+    assert [summary["parts"][p][:4] for p in PARTS[2:]] == ["done"] * 3
+    assert json.loads((tmp_path / "summary.json").read_text())["parts"] == summary["parts"]

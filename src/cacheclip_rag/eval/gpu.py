@@ -21,6 +21,9 @@ first ones, each written as a table (.txt) and JSON under one folder as soon as 
    primary's;
 4. ttft-files: the same from a local file store, if time is left.
 
+A part that raises is recorded as failed (its traceback in its .txt) and the next part runs: on a
+machine lent for minutes, one broken part must not cost the others. The exit status is then 1.
+
 --dry-run runs the same code path on the CPU with tiny shapes and Triton's interpreter (what CI
 runs, so the check cannot rot between the times a GPU is available); its times are no speed
 figures.
@@ -40,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -282,9 +286,15 @@ def check(out: str | Path, dry_run: bool = False, budget_s: float = 450.0) -> di
             summary["parts"][name] = "skipped: out of time"
             return
         t = time.monotonic()
-        data, text = fn()
+        try:
+            data, text = fn()
+        except Exception as err:  # noqa: BLE001 - one part's failure must not cost the parts after it
+            log.exception("gpu check: part %s failed", name)
+            data, text = {"error": repr(err)}, traceback.format_exc()
+            summary["parts"][name] = f"failed after {time.monotonic() - t:.1f} s: {err!r}"
+        else:
+            summary["parts"][name] = f"done in {time.monotonic() - t:.1f} s"
         _write(out, name, data, text)
-        summary["parts"][name] = f"done in {time.monotonic() - t:.1f} s"
         print(f"\n== {name}\n{text}", flush=True)
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
 
@@ -316,7 +326,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"\nwritten under {args.out}: {', '.join(sorted(p.name for p in Path(args.out).iterdir()))} "
           f"({summary['seconds']} s)")
-    return 0
+    failed = [name for name, state in summary["parts"].items() if state.startswith("failed")]
+    if failed:
+        print(f"gpu check: these parts failed (traceback in their .txt): {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
