@@ -9,8 +9,8 @@ from conftest import CORPUS
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
 from cacheclip_rag.config import PipelineConfig
 from cacheclip_rag.request.assemble import AssembledCache
-from cacheclip_rag.request.pipeline import assemble
-from cacheclip_rag.request.pipeline import LayerFeeder
+from cacheclip_rag.request import pipeline
+from cacheclip_rag.request.pipeline import LayerFeeder, assemble
 
 Q = "what is the code in the kitchen drawer?"
 
@@ -27,8 +27,11 @@ def _layout(eng):
     return eng.prepare(Q, eng.ids).layout
 
 
-@pytest.mark.parametrize("pipelined", [True, False])
-def test_layer_reader_feeder_equals_plain_assembly(eng, pipelined):
+@pytest.mark.parametrize("pipelined, block", [(True, 1), (True, 2), (False, 2), (True, None)])
+def test_layer_reader_feeder_equals_plain_assembly(eng, pipelined, block, monkeypatch):
+    """Whatever the decode block (one layer, blocks that do not divide the depth, all at once)."""
+    if block is not None:
+        monkeypatch.setattr(pipeline, "DECODE_BLOCK", block)
     layout = _layout(eng)
     frame = eng.primary
     plain_kvs = {s.chunk_id: eng.store.get_kv(frame.namespace, s.chunk_id) for s in layout.chunk_segments()}
@@ -38,6 +41,7 @@ def test_layer_reader_feeder_equals_plain_assembly(eng, pipelined):
     eng.store.clear_memory()
     sources = {s.chunk_id: eng.store.open_layers(frame.namespace, s.chunk_id) for s in layout.chunk_segments()}
     assert all(type(src).__name__ == "LayerReader" for src in sources.values())
+    assert {src.codec for src in sources.values()} == {"int8"}  # a new store's default: decoded in blocks
     cache = AssembledCache.empty(frame.lm, layout.num_tokens)
     for i in range(frame.lm.num_layers):
         cache.keys[i][0, :, : layout.prefix_len] = prefix.keys[i]

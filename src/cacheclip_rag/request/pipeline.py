@@ -1,7 +1,8 @@
 """Layer-wise pipelined cache loading: recompute layer l while layer l + 1 is loaded.
 
-A background thread reads each chunk's K/V one layer at a time (memory-mapped safetensors,
-each tensor verified against its checksum), re-rotates the keys and writes them into the
+A background thread reads each chunk's K/V a few layers at a time (memory-mapped safetensors,
+each tensor verified against its checksum, a compressed record's layers decoded together),
+re-rotates the keys and writes them into the
 preallocated assembled cache; the recompute loop waits only for the layer it is about to run.
 A chunk whose file turns out damaged part-way is re-encoded from its text and the loading goes
 on from the fresh cache (its values are identical: encoding is deterministic).
@@ -28,6 +29,12 @@ log = logging.getLogger(__name__)
 
 Source = ChunkKV | LayerReader
 """A chunk's primary cache: fully in memory, or a reader that loads one layer at a time."""
+
+
+DECODE_BLOCK = 6
+"""Layers of a chunk read from the store that are decoded together (`LayerReader.layers`): a
+compressed record's decode is dominated by per-call overhead on CPUs, so a block of layers costs
+little more than one; the first layer waits for its block, the rest are then at hand."""
 
 
 def _layer(source: Source, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,13 +110,22 @@ class LayerFeeder:
             if isinstance(source, LayerReader) and len(keys) == self._lm.num_layers:
                 self._on_loaded(cid, ChunkKV(keys, values, source.token_ids, source.offsets, source.start_pos))
 
+    def _read(self, chunk_id: str, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i of a chunk; a reader's layers are decoded DECODE_BLOCK at a time and kept."""
+        source = self._sources[chunk_id]
+        if not isinstance(source, LayerReader):
+            return _layer(source, i)
+        keys, values = self._loaded[chunk_id]
+        if len(keys) <= i:
+            more_keys, more_values = source.layers(len(keys), i + DECODE_BLOCK)
+            keys += more_keys
+            values += more_values
+        return keys[i], values[i]
+
     def _fill(self, i: int) -> None:
         for seg in self._layout.chunk_segments():
             try:
-                k, v = _layer(self._sources[seg.chunk_id], i)
-                if seg.chunk_id in self._loaded and len(self._loaded[seg.chunk_id][0]) == i:
-                    self._loaded[seg.chunk_id][0].append(k)
-                    self._loaded[seg.chunk_id][1].append(v)
+                k, v = self._read(seg.chunk_id, i)
             except DamagedCacheError as err:
                 log.warning("chunk %s: cache damaged at layer %d (%s); re-encoding it", seg.chunk_id, i, err)
                 self._sources[seg.chunk_id] = self._rebuild(seg.chunk_id, err)

@@ -199,13 +199,21 @@ class LayerReader:
         keys, values = self._decoded([self._get(f"k.{i}")], [self._get(f"v.{i}")], f"layer {i}")
         return keys[0], values[0]
 
+    def layers(self, start: int, stop: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """K and V of layers start..stop-1 (stop clipped to the record's depth), each
+        [kv_heads, T, head_dim], decoded together: one decode over the layers side by side costs
+        about half of stop - start decodes of one (the per-op overhead of small tensors dominates
+        on CPUs)."""
+        stop = min(stop, self.num_layers)
+        if not 0 <= start < stop:
+            raise ValueError(f"layers({start}, {stop}) of a record of {self.num_layers} layers")
+        picked = range(start, stop)
+        return self._decoded([self._get(f"k.{i}") for i in picked], [self._get(f"v.{i}") for i in picked],
+                             f"layers {start}-{stop - 1}")
+
     def first_layers(self, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """K and V of layers 0..n-1, each [kv_heads, T, head_dim], decoded together: one decode
-        over the layers side by side costs about half of n decodes of one (the per-op overhead of
-        small tensors dominates on CPUs), for reads that need every layer at once."""
-        n = min(n, self.num_layers)
-        return self._decoded([self._get(f"k.{i}") for i in range(n)], [self._get(f"v.{i}") for i in range(n)],
-                             f"layers 0-{n - 1}")
+        """K and V of layers 0..n-1, decoded together (`layers`), for reads that need them all."""
+        return self.layers(0, n)
 
     def _decoded(self, keys: list[torch.Tensor], values: list[torch.Tensor], what: str
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
