@@ -49,7 +49,7 @@ store, else takes `AUTO_CODEC`."""
 AUTO_CODEC = "int8"
 """What "auto" gives a model's caches new to a store: `cacheclip bench store` measured int8 at
 1.93x fewer bytes than bf16, its KL to full attention inside bf16's interval, and a cold read
-3-11% slower at 2K on a CPU (docs/benchmarks.md, section 13)."""
+5-6% slower at 2K on a CPU (docs/benchmarks.md, section 13b)."""
 
 
 def register(codec: Codec) -> None:
