@@ -285,6 +285,10 @@ def test_bench_qa_resumes_its_results_file_and_eval_runs_the_shipped_questions(f
     capsys.readouterr()
     assert main([*base, "--max-new-tokens", "3"]) == 2  # the last --max-new-tokens counts
     assert "holds another run (max_new_tokens: 2 there, 3 here)" in capsys.readouterr().err
+    header = json.loads(results.read_text().splitlines()[0])["journal"]
+    assert header["kv_codec"] == header["aux_kv_codec"] == "int8"  # what the rows' caches were kept in
+    assert main([*base, "--kv-codec", "bf16"]) == 2  # other caches answer another question
+    assert "kv_codec: 'int8' there, 'bf16' here" in capsys.readouterr().err
     assert main([*base, "--offset", "3"]) == 2
     assert "--offset must be in [0, 3)" in capsys.readouterr().err
     assert main([*base, "--diagnose"]) == 2  # a diagnosis keeps no journal: refused, not ignored

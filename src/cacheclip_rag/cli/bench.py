@@ -276,7 +276,7 @@ def _bench_niah(args) -> int:
         engine = _engine(args)
         default = FRONTIER_MODES if args.frontier else ["full", "reuse", "ape", "cacheblend", "epic", "random", "cacheclip"]
         modes = _mode_list(args.modes or default, args.ratios)
-        journal = _journal(args, budget=args.budget, chunk_tokens=args.chunk_tokens)
+        journal = _journal(args, engine, budget=args.budget, chunk_tokens=args.chunk_tokens)
         results = needle.run(engine, modes, variants=args.variants, lengths=args.lengths, samples=args.samples,
                              seed=args.seed, max_new_tokens=args.max_new_tokens, progress=progress(args),
                              budget=args.budget, journal=journal)
@@ -297,17 +297,17 @@ def _bench_niah(args) -> int:
     return 0
 
 
-def _journal(args, **settings):
-    """The --results journal of a bench, its header the settings its rows depend on (None without
-    --results)."""
+def _journal(args, engine, **settings):
+    """The --results journal of a bench, its header the settings its rows depend on, the codecs
+    the engine's caches are kept in among them (None without --results)."""
     from ..config import ModelConfig
     from ..eval.journal import Journal
 
     if not args.results:
         return None
     header = {"primary": args.primary, "aux": args.aux, "dtype": str(ModelConfig(dtype=args.dtype).torch_dtype()),
-              "kv_dtype": args.kv_dtype, "max_new_tokens": args.max_new_tokens, "score_layers": args.score_layers,
-              **settings}
+              "kv_dtype": args.kv_dtype, "kv_codec": engine.primary.codec, "aux_kv_codec": engine.aux.codec,
+              "max_new_tokens": args.max_new_tokens, "score_layers": args.score_layers, **settings}
     journal = Journal(args.results, header)
     print(f"resuming {args.results} ({len(journal.rows)} rows)" if journal.rows else f"rows go to {args.results}")
     return journal
@@ -373,7 +373,7 @@ def _bench_qa(args) -> int:
     engine = engine_from_args(args, prompt=prompt)
     print(f"{len(examples)} questions of {args.data} ({data.format}; index {args.offset}..{args.offset + len(examples) - 1}), "
           f"prompt: {args.prompt}'s")
-    journal = _journal(args, data=Path(args.data).name, format=data.format, questions=len(data.examples),
+    journal = _journal(args, engine, data=Path(args.data).name, format=data.format, questions=len(data.examples),
                        prompt=asdict(engine.config.prompt))
     results = qa.run(engine, examples, modes, max_new_tokens=args.max_new_tokens, offset=args.offset,
                      journal=journal, progress=progress_bar(len(examples), "questions", "question"))
