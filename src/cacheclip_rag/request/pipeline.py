@@ -2,8 +2,8 @@
 
 A background thread reads each chunk's K/V a few layers at a time (memory-mapped safetensors,
 each tensor verified against its checksum, a compressed record's layers decoded together),
-re-rotates the keys and writes them into the
-preallocated assembled cache; the recompute loop waits only for the layer it is about to run.
+re-rotates the keys and writes them into the preallocated assembled cache; the recompute loop
+waits only for the layer it is about to run.
 A chunk whose file turns out damaged part-way is re-encoded from its text and the loading goes
 on from the fresh cache (its values are identical: encoding is deterministic).
 
