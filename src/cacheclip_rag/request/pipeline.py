@@ -37,12 +37,6 @@ compressed record's decode is dominated by per-call overhead on CPUs, so a block
 little more than one; the first layer waits for its block, the rest are then at hand."""
 
 
-def _layer(source: Source, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(source, ChunkKV):
-        return source.keys[i], source.values[i]
-    return source.layer(i)
-
-
 class LayerFeeder:
     """Fills the assembled cache layer by layer, in a thread (pipelined) or all at once.
 
@@ -113,8 +107,8 @@ class LayerFeeder:
     def _read(self, chunk_id: str, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i of a chunk; a reader's layers are decoded DECODE_BLOCK at a time and kept."""
         source = self._sources[chunk_id]
-        if not isinstance(source, LayerReader):
-            return _layer(source, i)
+        if isinstance(source, ChunkKV):
+            return source.keys[i], source.values[i]
         keys, values = self._loaded[chunk_id]
         if len(keys) <= i:
             more_keys, more_values = source.layers(len(keys), i + DECODE_BLOCK)
@@ -129,7 +123,7 @@ class LayerFeeder:
             except DamagedCacheError as err:
                 log.warning("chunk %s: cache damaged at layer %d (%s); re-encoding it", seg.chunk_id, i, err)
                 self._sources[seg.chunk_id] = self._rebuild(seg.chunk_id, err)
-                k, v = _layer(self._sources[seg.chunk_id], i)
+                k, v = self._read(seg.chunk_id, i)
             delta = int(self._positions[seg.start]) - self._sources[seg.chunk_id].start_pos
             write_segment(self._cache, i, seg, k, v, delta, self._lm.family.inv_freq(i))
 
