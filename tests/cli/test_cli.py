@@ -115,7 +115,7 @@ def test_bench_store_compares_every_codec_with_bf16(folders, tmp_path, capsys):
     args = ["bench", "store", "--lengths", "100", "--samples", "2", "--variants", "multivalue", "--modes", "reuse",
             "cacheclip", "--ratios", "0.5", "--chunk-tokens", "40", "--max-new-tokens", "3", "--fidelity-samples", "1",
             "--answer-tokens", "3", "--runs", "1", "--json", str(out), *_args(folders, tmp_path / "s")]
-    assert main(args + (["--redis", f"{redis}?prefix=t-{tmp_path.name}"] if redis else [])) == 0
+    assert main(args + (["--redis", f"{redis}?prefix=t-{tmp_path.name}-{os.getpid()}"] if redis else [])) == 0
     printed = capsys.readouterr().out
     for heading in ("Bytes a token as stored", "codec - bf16 on the same samples", "KL(full || mode), codec - bf16",
                     "TTFT, codecs and stores alternated", "Qwen2.5-7B-Instruct", "1e+07 chunks"):
