@@ -353,7 +353,7 @@ class EngineConfig:
     """The chunk index's kind (flat, IVF, HNSW, or by size) and search breadth."""
     attention_backend: str = "auto"
     """Recompute attention: "auto" (the Triton kernel on CUDA; elsewhere the blocked torch path:
-    matmul blocks in bf16/fp16, split blocks in float32), "torch" (the blocked torch path
+    in bf16/fp16 plain blocks on CPUs with AMX, else matmul blocks; split blocks in float32), "torch" (the blocked torch path
     everywhere), "triton"."""
     packets: str | None = "auto"
     """KV Packet adapters for the packet modes: "auto" (the ones shipped for the primary, if

@@ -182,7 +182,7 @@ def test_bench_ttft_says_where_each_model_runs_and_when_the_aux_selects(folders,
     printed = capsys.readouterr().out
     assert "primary on cpu, aux on cpu: aux selection before cache loading; recompute attends with " in printed
     # dtype "auto": bf16 where this CPU has it natively, else float32
-    assert re.search(r"attends with (matmul blocks \(bfloat16\)|split blocks \(float32\))", printed)
+    assert re.search(r"attends with ((matmul|plain) blocks \(bfloat16\)|split blocks \(float32\))", printed)
     assert "cacheclip" in printed and "/full" in printed
 
 

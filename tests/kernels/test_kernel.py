@@ -180,8 +180,11 @@ def test_the_default_kind_follows_device_dtype_and_window(monkeypatch):
 
     pos = torch.arange(0, 600, 2)
     assert BlockPlan.build(pos, 600).kind == "split" and BlockPlan.build(pos, 600, window=50).kind == "plain"
-    for dtype in (torch.bfloat16, torch.float16):
-        assert BlockPlan.build(pos, 600, dtype=dtype).kind == BlockPlan.build(pos, 600, 50, dtype=dtype).kind == "matmul"
+    for amx, half_kind in ((False, "matmul"), (True, "plain")):  # AMX runs the flash kernel's bf16 on its tiles
+        monkeypatch.setattr(blocked, "cpu_has_amx", lambda amx=amx: amx)
+        for dtype in (torch.bfloat16, torch.float16):
+            assert BlockPlan.build(pos, 600, dtype=dtype).kind == BlockPlan.build(pos, 600, 50, dtype=dtype).kind == half_kind
+        assert BlockPlan.build(pos, 600).kind == "split"  # float32 is not theirs to change
     assert blocked.default_kind(torch.device("cuda"), torch.bfloat16, None) == "plain"
     monkeypatch.setattr(blocked, "DEFAULT_KIND", "split")  # the override, where split blocks cannot go, is plain
     assert BlockPlan.build(pos, 600, dtype=torch.bfloat16).kind == "split" and BlockPlan.build(pos, 600, 50).kind == "plain"

@@ -131,11 +131,11 @@ def test_two_rope_thetas_are_kept_apart():
     assert not torch.allclose(local, glob)
 
 
-@pytest.mark.parametrize("kind", [None, "split"])
+@pytest.mark.parametrize("kind", [None, "split", "matmul", "plain"])
 def test_oracles_hold_in_bf16(tiny_lm, kind, monkeypatch):
     """The same two oracles with the model in bf16 (the dtype "auto" picks on CUDA and on CPUs with
     native bf16), through the blocked attention path, within bf16 rounding: its default kind for
-    bf16 (matmul blocks) and split blocks."""
+    bf16 on this CPU (plain blocks with AMX, else matmul blocks) and each kind by name."""
     import copy
 
     import cacheclip_kernels.blocked as blocked
