@@ -26,7 +26,8 @@ CPU's bf16 dot products: on a 2-core AVX512-BF16 CPU (4,462 keys, ~760 late-weig
 per layer) 44 ms against split blocks' 86 ms. The scores are rounded to the input dtype before
 the softmax, as transformers' eager attention rounds them (mean error against the float32
 reference 1.0e-4 against split blocks' 0.6e-4). In float32 split blocks stay the default (about
-equal there).
+equal there). On a CPU with AMX the flash kernel runs bf16 on the tiles and plain blocks are the
+half-precision default instead (`default_kind`).
 """
 
 from __future__ import annotations
