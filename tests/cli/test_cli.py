@@ -57,6 +57,7 @@ def test_lazy_int4_bounded_ingest_then_store_stats(folders, tmp_path, capsys):
     rows = [line for line in out.splitlines() if " int4 " in line]
     assert len(rows) == 2, out  # primary and aux, each with its bytes a token
     assert all(re.search(r"\d+\.\d\d  \(namespace", line) for line in rows)
+    assert "requests score with the aux model's last layer until `cacheclip calibrate`" in out  # tiny pair: none shipped
     with pytest.raises(SystemExit):
         main(["ingest", str(docs), "--kv-codec", "int3", *_args(folders, tmp_path / "s")])
     assert "invalid choice: 'int3'" in capsys.readouterr().err
@@ -297,3 +298,13 @@ def test_bench_qa_resumes_its_results_file_and_eval_runs_the_shipped_questions(f
     assert "--indices chooses the questions of --diagnose" in capsys.readouterr().err
     assert main(["eval", "--limit", "1", "--modes", "reuse", "--max-new-tokens", "2", *_args(folders, tmp_path / "e")]) == 0
     assert "F1 %full" in capsys.readouterr().out
+
+
+def test_store_stats_names_the_shipped_profiles_of_an_embedded_pair():
+    from cacheclip_rag.cli.stores import shipped_profile_lines
+
+    pair = [{"role": "primary", "model": "qwen2.5-coder-1.5b-instruct"}, {"role": "aux", "model": "smollm2-135m-instruct"}]
+    (line,) = shipped_profile_lines(pair)
+    assert "qwen2.5-coder-1.5b-instruct + smollm2-135m-instruct scores with the package's profiles" in line
+    assert "[2048, 4096]" in line
+    assert "last layer" in shipped_profile_lines([{"role": "primary", "model": "my-model"}, pair[1]])[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..request.profile_source import shipped
 from .common import add_common, engine_from_args
 
 
@@ -41,8 +42,8 @@ def cmd_store(args) -> int:
             print(f"  selection profile: {profile.describe()} for {profile.primary_name} + {profile.aux_name}, "
                   f"calibrated at {list(profile.lengths)} tokens ({profile.created})")
         if not profiles:
-            print("  selection profile: none stored (the default pair uses the profiles the package ships; other "
-                  "pairs score with the aux model's last layer until `cacheclip calibrate`)")
+            for line in shipped_profile_lines(usage["namespaces"].values()):
+                print(line)
         return 0
     if args.action == "verify":
         report = store.verify()
@@ -65,3 +66,19 @@ def add_commands(sub) -> None:
     p.add_argument("action", choices=["stats", "verify", "repair"])
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_store)
+
+
+def shipped_profile_lines(namespaces) -> list[str]:
+    """What a store with no calibrated profile scores with: the package's profiles for each
+    primary + aux pair its namespaces hold, else the aux model's last layer."""
+    models = {role: {info.get("model") for info in namespaces if info.get("role") == role} for role in ("primary", "aux")}
+    lines = []
+    for primary in sorted(m for m in models["primary"] if m):
+        for aux in sorted(m for m in models["aux"] if m):
+            found = shipped(primary, aux)
+            if found:
+                lengths = sorted({n for p in found for n in p.lengths})
+                lines.append(f"  selection profile: none stored; {primary} + {aux} scores with the package's "
+                             f"profiles, calibrated at {lengths} tokens")
+    return lines or ["  selection profile: none stored; requests score with the aux model's last layer until "
+                     "`cacheclip calibrate` writes one"]
