@@ -131,7 +131,7 @@ class BlockPlan:
     blocks: tuple[Block, ...] = ()
     split: tuple[SplitBlock, ...] = ()
     matmul: tuple[MatmulBlock, ...] = ()
-    _biases: dict = field(default_factory=dict, compare=False, repr=False)  # the masks as additive biases, per dtype
+    _biases: dict = field(default_factory=dict, compare=False, repr=False)  # (part, dtype) -> masks as biases
 
     @classmethod
     def build(cls, positions: torch.Tensor, n_keys: int, window: int | None = None, blocks: int | None = None,
@@ -169,12 +169,10 @@ class BlockPlan:
     def tail_biases(self, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], ...]:
         """Per split block, its sub-blocks' masks as additive biases in `dtype` (the flash op takes
         no boolean mask); made once per dtype, as the plan serves every layer."""
-        if dtype not in self._biases:
-            self._biases[dtype] = tuple(
-                tuple(_bias(b.mask, dtype) for b in block.tail)
-                for block in self.split
-            )
-        return self._biases[dtype]
+        key = ("tail", dtype)
+        if key not in self._biases:
+            self._biases[key] = tuple(tuple(_bias(b.mask, dtype) for b in block.tail) for block in self.split)
+        return self._biases[key]
 
     def block_biases(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """Plain blocks' masks as additive biases in `dtype`, made once per dtype: SDPA turns a

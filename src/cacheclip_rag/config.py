@@ -353,8 +353,8 @@ class EngineConfig:
     """The chunk index's kind (flat, IVF, HNSW, or by size) and search breadth."""
     attention_backend: str = "auto"
     """Recompute attention: "auto" (the Triton kernel on CUDA; elsewhere the blocked torch path:
-    in bf16/fp16 plain blocks on CPUs with AMX, else matmul blocks; split blocks in float32), "torch" (the blocked torch path
-    everywhere), "triton"."""
+    in bf16/fp16 plain blocks on CPUs with AMX, else matmul blocks; split blocks in float32),
+    "torch" (the blocked torch path everywhere), "triton"."""
     packets: str | None = "auto"
     """KV Packet adapters for the packet modes: "auto" (the ones shipped for the primary, if
     any), a .safetensors file from `cacheclip train packet`, or None (packet modes off)."""
