@@ -167,12 +167,13 @@ def test_damaged_compressed_records_are_detected_and_dropped(tmp_path, codec, da
     assert fresh.stats.damaged == 1 and not path.exists()
 
 
-@pytest.mark.parametrize("layout", ["1", None, "x"])
+@pytest.mark.parametrize("layout", ["1", "2", None, "x"])
 def test_a_record_of_another_layout_is_damage_not_misread(layout):
-    # int8's layout 1 kept keys per token: the same byte count as layout 2's per-channel keys at
-    # 64 channels and 64-token groups, so only the recorded layout tells them apart
-    tensors, meta = to_record(_kv(t=64), NS, "c", "int8")
-    assert meta["codec_layout"] == str(codecs.get("int8").layout) == "2"
+    # at 128 tokens int8's layout 2 (a key step per channel and 64 tokens) and layout 3 (a step and
+    # a minimum per channel and 128 tokens) have the same byte count, so only the recorded layout
+    # tells them apart
+    tensors, meta = to_record(_kv(t=128), NS, "c", "int8")
+    assert meta["codec_layout"] == str(codecs.get("int8").layout) == "3"
     if layout is None:
         del meta["codec_layout"]  # a record of the release before layouts were recorded
     else:

@@ -45,7 +45,7 @@ class Int4:
         codes = quant.unpack4(packed)  # [H, T, D]
         if kind == "v":
             g = codes.reshape(*codes.shape[:2], n, -1)  # [H, T, groups, G]: channels split evenly
-            return quant.dequantize(g, step, lo, head_dim).to(dtype)
+            return quant.dequantize(g, step, lo, head_dim, dtype)
         return quant.dequantize_tokens(codes, step, lo, GROUP, dtype)
 
     def bound(self, kind: Kind, x: torch.Tensor) -> torch.Tensor:

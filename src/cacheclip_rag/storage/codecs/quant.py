@@ -67,11 +67,20 @@ def asymmetric(x: torch.Tensor, bits: int, size: int) -> tuple[torch.Tensor, tor
     return codes.clamp_(0, 2 ** bits - 1).to(torch.uint8), step, lo, n
 
 
-def dequantize(codes: torch.Tensor, step: torch.Tensor, lo: torch.Tensor | None, n: int) -> torch.Tensor:
-    """codes [..., groups, size] with steps (and minima) [..., groups] -> float32 [..., n]."""
-    out = torch.mul(codes, step.float().unsqueeze(-1))  # int x float32 -> float32, one pass
-    if lo is not None:
-        out += lo.float().unsqueeze(-1)
+def _scale_into(out: torch.Tensor, codes: torch.Tensor, step: torch.Tensor, lo: torch.Tensor | None) -> None:
+    """out = codes x step (+ lo), broadcast, computed in float32 and rounded once into out's dtype
+    (one pass over the codes: no float32 copy of the result)."""
+    if lo is None:
+        torch.mul(codes, step, out=out)
+    else:
+        torch.addcmul(lo, codes, step, out=out)
+
+
+def dequantize(codes: torch.Tensor, step: torch.Tensor, lo: torch.Tensor | None, n: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """codes [..., groups, size] with steps (and minima) [..., groups] -> [..., n] in `dtype`."""
+    out = torch.empty(codes.shape, dtype=dtype)
+    _scale_into(out, codes, step.float().unsqueeze(-1), None if lo is None else lo.float().unsqueeze(-1))
     return ungroup(out, n)
 
 
@@ -79,21 +88,22 @@ def dequantize_tokens(codes: torch.Tensor, step: torch.Tensor, lo: torch.Tensor 
                       dtype: torch.dtype) -> torch.Tensor:
     """Keys quantized per channel along tokens back to values: codes [H, T, D] with steps (and
     minima) [H, D, ceil(T / size)], each shared by `size` neighbouring tokens of one channel ->
-    [H, T, D] in `dtype`, decoded group by group (no [H, D, T] float32 copy)."""
+    [H, T, D] in `dtype`, decoded group by group straight into the result."""
     heads, tokens, dim = codes.shape
     out = torch.empty(codes.shape, dtype=dtype)
     full = tokens // size * size
+    groups = full // size
+
+    def scales(t: torch.Tensor | None, part: slice) -> torch.Tensor | None:
+        return None if t is None else t[..., part].float().transpose(1, 2).unsqueeze(2)  # [H, g, 1, D]
+
     if full:
-        g = codes[:, :full].reshape(heads, full // size, size, dim)  # [H, groups, G, D]
-        x = torch.mul(g, step[..., :full // size].float().transpose(1, 2).unsqueeze(2))
-        if lo is not None:
-            x += lo[..., :full // size].float().transpose(1, 2).unsqueeze(2)
-        out[:, :full] = x.reshape(heads, full, dim)
+        _scale_into(out[:, :full].view(heads, groups, size, dim),
+                    codes[:, :full].reshape(heads, groups, size, dim),
+                    scales(step, slice(0, groups)), scales(lo, slice(0, groups)))
     if full < tokens:
-        x = torch.mul(codes[:, full:], step[..., -1].float().unsqueeze(1))
-        if lo is not None:
-            x += lo[..., -1].float().unsqueeze(1)
-        out[:, full:] = x
+        last = slice(groups, groups + 1)
+        _scale_into(out[:, full:].unsqueeze(1), codes[:, full:].unsqueeze(1), scales(step, last), scales(lo, last))
     return out
 
 
