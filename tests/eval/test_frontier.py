@@ -86,3 +86,19 @@ def test_fidelity_rows_become_points_at_their_measured_ttft():
     pts = fidelity.points(rows)
     assert [(p.mode, p.ttft, p.score, p.low) for p in pts] == [("cacheclip", 0.26, 0.04, 0.03),
                                                                 ("cacheclip@auto", 0.29, 0.03, 0.02)]
+
+
+def test_reach_says_where_each_mode_first_keeps_the_target_share():
+    pts = frontier.points(ROWS + [_row("a", "auto", 0.26, 97.0)])
+    got = {r.mode: r for r in frontier.reach(pts, 95.0)}
+    assert "a@auto" not in got  # an adaptive budget has no ratio to name
+    b, c, a = got["b"], got["c"], got["a"]
+    assert (b.ratio, b.ttft) == pytest.approx((0.2, 0.35))  # exactly at its second point
+    assert (c.ratio, c.ttft) == pytest.approx((0.2, 0.40))  # its first point is already above
+    assert a.ratio is None and a.ttft is None and a.best.label == "a@0.3"
+    half = frontier.reach(pts, 85.0)
+    assert [r.mode for r in half][:3] == ["b", "a", "c"]  # earliest TTFT first
+    assert (half[0].ratio, half[0].ttft) == pytest.approx((0.1 + 0.1 / 3, 0.22 + 0.13 / 3))  # 1/3 from 80 to 95
+    assert (half[1].ratio, half[1].ttft) == pytest.approx((0.275, 0.275))  # 3/4 of the way from 70 to 90
+    text = frontier.reach_table(pts, 95.0)
+    assert "first keeps >= 95% of full" in text and "not by 0.3; best 90.0 at a@0.3" in text

@@ -330,6 +330,8 @@ def _print_frontier(args, rows: list[dict], bench: str) -> None:
     for length in sorted({r["length"] for r in rows}):
         pts = to_points([r for r in rows if r["length"] == length])
         print("\n" + frontier.table(pts, args.budget_ttft, length, metric))
+        if metric.higher_is_better:
+            print("\n" + frontier.reach_table(pts))
         if args.plot:
             stem = Path(args.plot)
             frontier.plot(pts, str(stem.with_name(f"{stem.stem}-frontier-{length}.png")), args.budget_ttft,
@@ -391,6 +393,7 @@ def _bench_qa(args) -> int:
         metric = frontier.Metric("% of full attention's F1")
         for budget in args.budget_ttft:
             print("\n" + frontier.table(pts, budget, None, metric))
+        print("\n" + frontier.reach_table(pts))
         if args.plot:
             frontier.plot(pts, args.plot, args.budget_ttft[0], f"QA: {Path(args.data).name}", metric)
     if args.json:

@@ -7,7 +7,9 @@ attention's score on the same samples (higher is better, `NEEDLE`); fidelity, KL
 (lower is better, `KL`). A mode's score at a budget B is linear interpolation between its
 two measured points that bracket B in TTFT (the interval's bounds interpolated the same way, an
 approximation: the two points are not independent); a mode whose every point is within B takes
-its best point within B; a mode with none within B has no score there.
+its best point within B; a mode with none within B has no score there. Where no mode keeps a share S of full's score
+within B, `reach` says where each mode first does: the ratio and TTFT at which its curve crosses
+S, interpolated the same way.
 """
 
 from __future__ import annotations
@@ -103,6 +105,53 @@ def headline(pts: list[Point], budget: float = 0.25, metric: Metric = NEEDLE) ->
         out.append(dict(mode=mode, budget=budget, score=got[0] if got else float("nan"),
                         low=got[1] if got else float("nan"), high=got[2] if got else float("nan")))
     return sorted(out, key=lambda r: (math.isnan(r["score"]), -metric.key(r["score"]) if not math.isnan(r["score"]) else 0))
+
+
+@dataclass(frozen=True)
+class Reach:
+    """Where one mode's curve first keeps `target` (% of full): the ratio and TTFT / full,
+    interpolated between the last point below and the first at or above; None for both where no
+    measured point reaches it (then `best` is its best point)."""
+
+    mode: str
+    target: float
+    ratio: float | None
+    ttft: float | None
+    best: Point
+
+
+def reach(pts: list[Point], target: float = 95.0) -> list[Reach]:
+    """Per mode with numeric ratios (an `auto` curve has no ratio to name), the first crossing
+    of `target` along its points in ratio order; modes that reach it first, earliest TTFT first."""
+    out = []
+    for mode in sorted({p.mode for p in pts if not isinstance(p.ratio, str)}):
+        curve = sorted((p for p in pts if p.mode == mode), key=lambda p: (p.ratio, p.ttft))
+        best = max(curve, key=lambda p: p.score)
+        hit = next((i for i, p in enumerate(curve) if p.score >= target), None)
+        if hit is None:
+            out.append(Reach(mode, target, None, None, best))
+            continue
+        b = curve[hit]
+        if hit == 0:
+            out.append(Reach(mode, target, b.ratio, b.ttft, best))
+            continue
+        a = curve[hit - 1]
+        t = (target - a.score) / (b.score - a.score)
+        out.append(Reach(mode, target, a.ratio + t * (b.ratio - a.ratio), a.ttft + t * (b.ttft - a.ttft), best))
+    return sorted(out, key=lambda r: (r.ttft is None, r.ttft or 0.0, -r.best.score))
+
+
+def reach_table(pts: list[Point], target: float = 95.0) -> str:
+    """Where each mode first keeps `target` % of full attention's score (`reach`)."""
+    lines = [f"where each mode first keeps >= {target:g}% of full (interpolated between measured ratios)",
+             f"{'mode':<20} {'ratio':>6} {'TTFT/full':>9}"]
+    for r in reach(pts, target):
+        if r.ratio is None:
+            lines.append(f"{r.mode:<20} {'-':>6} {'-':>9}  not by {max(p.ratio for p in pts if p.mode == r.mode):g}; "
+                         f"best {r.best.score:.1f} at {r.best.label} ({r.best.ttft:.3f})")
+        else:
+            lines.append(f"{r.mode:<20} {r.ratio:>6.2f} {r.ttft:>9.3f}")
+    return "\n".join(lines)
 
 
 def table(pts: list[Point], budget: float = 0.25, length: int | None = None, metric: Metric = NEEDLE) -> str:
