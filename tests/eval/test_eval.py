@@ -336,3 +336,17 @@ def test_a_resumed_needle_run_measures_only_what_its_journal_lacks(eng, tmp_path
     assert same(resumed) == same(whole)
     scores = lambda rs: [(r["label"], r["avg"], r["avg_ci95"]) for r in needle.summarize(rs)]  # noqa: E731
     assert scores(resumed) == scores(whole)
+
+
+def test_load_pools_a_results_journal_beside_a_saved_run(tmp_path):
+    from dataclasses import asdict
+
+    from cacheclip_rag.eval.journal import Journal
+
+    run_a = [_result("full", 1.0, "multivalue", 0, 1.0), _result("reuse", 0.0, "multivalue", 0, 0.0)]
+    needle.write_json(run_a, needle.summarize(run_a), tmp_path / "a.json")
+    journal = Journal(tmp_path / "b.jsonl", {"primary": "p"})
+    for r in (_result("full", 1.0, "multivalue", 0, 1.0), _result("cacheclip", 0.4, "multivalue", 0, 1.0)):
+        journal.append(asdict(r))
+    pooled = needle.load([tmp_path / "a.json", tmp_path / "b.jsonl"])
+    assert sorted((r.mode, r.ratio) for r in pooled) == [("cacheclip", 0.4), ("full", 1.0), ("reuse", 0.0)]

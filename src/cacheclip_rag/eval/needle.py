@@ -365,8 +365,22 @@ def write_json(results: list[NeedleResult], rows: list[dict], path: str | Path, 
     Path(path).write_text(json.dumps(doc, indent=2))
 
 
+def _saved_samples(path: str | Path) -> list[dict]:
+    """The per-sample rows of a `write_json` file, or of a --results journal (a header line, then
+    one row a line)."""
+    text = Path(path).read_text(encoding="utf-8")
+    first, _, rest = text.partition("\n")
+    try:
+        head = json.loads(first)
+    except json.JSONDecodeError:
+        head = None
+    if isinstance(head, dict) and "journal" in head:
+        return [json.loads(line) for line in rest.splitlines() if line.strip()]
+    return json.loads(text)["samples"]
+
+
 def load(paths: list[str | Path]) -> list[NeedleResult]:
-    """Pool the per-sample rows of saved runs (`write_json` files), e.g. runs on disjoint seeds, or
+    """Pool the per-sample rows of saved runs (`write_json` files or --results journals), e.g. runs on disjoint seeds, or
     runs of other modes on the same samples. A (length, variant, seed, mode, ratio) seen twice is
     kept once when both gave the same answer (full attention, run by every bench) and is an error
     when they differ, as pooling would then count one sample twice with two results.
@@ -380,12 +394,12 @@ def load(paths: list[str | Path]) -> list[NeedleResult]:
         if tag and ("/" in tag or not tag.strip()):
             raise ValueError(f"{spec}: a tag is a name without '/', as in tuned=run.json")
         try:
-            samples = json.loads(Path(path).read_text())["samples"]
-            loaded = [NeedleResult(**d) for d in samples]
+            loaded = [NeedleResult(**d) for d in _saved_samples(path)]
             if tag:
                 loaded = [replace(r, mode=f"{tag}/{r.mode}") for r in loaded]
         except (OSError, ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"{path}: not a needle bench JSON (expected 'samples' of needle results): {err}") from err
+            raise ValueError(f"{path}: not a needle bench JSON or journal (expected 'samples' of needle results, "
+                             f"or a journal's rows): {err}") from err
         for r in loaded:
             key = (r.length, r.variant, r.seed, r.mode, r.ratio)
             if key in seen:
