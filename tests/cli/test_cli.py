@@ -92,6 +92,13 @@ def test_bench_niah_pools_saved_runs_without_loading_models(tmp_path, capsys):
     assert "Paired differences" in printed and "cacheclip@0.2" in printed
     pooled = json.loads(out.read_text())
     assert len(pooled["samples"]) == 6 and {p["other"] for p in pooled["versus"]} == {"full", "reuse"}
+    ttft = tmp_path / "ttft.json"
+    ttft.write_text(json.dumps([dict(length=64, mode=m, ratio=r, vs_full=v)
+                                for m, r, v in (("full", 1.0, 1.0), ("reuse", 0.0, 0.05), ("cacheclip", 0.2, 0.21))]))
+    assert main(["bench", "niah", "--from", str(out), "--frontier", "--ttft-from", str(ttft), "--primary", "x"]) == 0
+    printed = capsys.readouterr().out
+    assert "cacheclip@0.2                0.210" in printed  # placed at the TTFT run's ratio
+    assert "first keeps >= 95% of full" in printed and "not by 0.2" in printed
     for flag in (["--from", str(out)], ["--versus", "cacheclip@0.2"]):  # each bench takes its own flags only
         with pytest.raises(SystemExit) as exit_:
             main(["bench", "ttft", *flag])

@@ -102,3 +102,21 @@ def test_reach_says_where_each_mode_first_keeps_the_target_share():
     assert (half[1].ratio, half[1].ttft) == pytest.approx((0.275, 0.275))  # 3/4 of the way from 70 to 90
     text = frontier.reach_table(pts, 95.0)
     assert "first keeps >= 95% of full" in text and "not by 0.3; best 90.0 at a@0.3" in text
+
+
+def test_rows_are_placed_at_the_ttft_of_another_run(tmp_path):
+    import json
+
+    (tmp_path / "ttft.json").write_text(json.dumps([
+        dict(length=2048, mode="full", ratio=1.0, vs_full=1.0), dict(length=2048, mode="reuse", ratio=0.0, vs_full=0.04),
+        dict(length=2048, mode="a", ratio=0.1, vs_full=0.11), dict(length=2048, mode="a", ratio=0.2, vs_full=0.21),
+        dict(length=2048, mode="a", ratio=0.30000000000000004, vs_full=0.31)]))
+    measured = frontier.load_ttft(tmp_path / "ttft.json")
+    rows = frontier.retime([r for r in ROWS if r["mode"] in ("full", "reuse", "a")], measured)
+    assert [r["ttft_vs_full"] for r in rows] == [1.0, 0.04, 0.11, 0.21, 0.31]
+    assert ROWS[2]["ttft_vs_full"] == 0.15  # the given rows are left as they were
+    with pytest.raises(ValueError, match=r"no TTFT for b@0.1 at 2048 tokens"):
+        frontier.retime(ROWS, measured)
+    (tmp_path / "bad.json").write_text('{"rows": 1}')
+    with pytest.raises(ValueError, match="not a `bench ttft --json` file"):
+        frontier.load_ttft(tmp_path / "bad.json")

@@ -327,6 +327,8 @@ def _print_frontier(args, rows: list[dict], bench: str) -> None:
 
     to_points, metric, title = {"niah": (frontier.points, frontier.NEEDLE, "Needle suite"),
                                 "fidelity": (fidelity.points, frontier.KL, "Fidelity")}[bench]
+    if getattr(args, "ttft_from", None):
+        rows = frontier.retime(rows, frontier.load_ttft(args.ttft_from), args.ttft_from)
     for length in sorted({r["length"] for r in rows}):
         pts = to_points([r for r in rows if r["length"] == length])
         print("\n" + frontier.table(pts, args.budget_ttft, length, metric))
@@ -571,6 +573,9 @@ def add_commands(sub) -> None:
     p.add_argument("--from", dest="from_json", nargs="+", default=None, metavar="JSON",
                    help="pool these saved runs (disjoint seeds, or other modes on the same samples) instead of "
                         "running; TAG=JSON puts a run under a tag (tuned=run.json: rows tuned/full, ...)")
+    p.add_argument("--ttft-from", default=None, metavar="JSON",
+                   help="place the frontier's points at the TTFT / full of this `bench ttft --json` run (one on an "
+                        "idle CPU) instead of the samples' own")
     _results_flag(p)
     _out_flags(p, "-quality, -ttft, -frontier-LENGTH")
     p.set_defaults(func=_bench_niah)

@@ -14,8 +14,10 @@ S, interpolated the same way.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,36 @@ def points(rows: list[dict]) -> list[Point]:
         low, high = (x * scale for x in r["avg_ci95"])
         out.append(Point(r["label"], curve_name(r["mode"], r["ratio"]), r["ratio"], r["ttft_vs_full"], r["pct_of_full"],
                          low, high))
+    return out
+
+
+def _ttft_key(length: int, mode: str, ratio: float | str) -> tuple:
+    return int(length), mode, ratio if isinstance(ratio, str) else round(float(ratio), 4)
+
+
+def load_ttft(path: str | Path) -> dict[tuple, float]:
+    """(length, mode, ratio) -> TTFT / full from a `bench ttft --json` file."""
+    try:
+        rows = json.loads(Path(path).read_text())
+        return {_ttft_key(r["length"], r["mode"], r["ratio"]): float(r["vs_full"]) for r in rows}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path}: not a `bench ttft --json` file (expected rows with length, mode, ratio, "
+                         f"vs_full): {err}") from err
+
+
+def retime(rows: list[dict], measured: dict[tuple, float], source: str = "the TTFT run") -> list[dict]:
+    """Bench rows placed at the TTFT / full of another run (`load_ttft`: a `bench ttft` on an idle
+    CPU, where the rows' own came from a long quality run that shared it); `full` stays 1. A row
+    whose length, mode and ratio that run did not measure is an error naming it."""
+    out = []
+    for r in rows:
+        if r["mode"] != "full":
+            key = _ttft_key(r["length"], r["mode"], r["ratio"])
+            if key not in measured:
+                raise ValueError(f"{source} has no TTFT for {r['label']} at {r['length']} tokens; run bench ttft "
+                                 f"with that mode and ratio at that length")
+            r = {**r, "ttft_vs_full": measured[key]}
+        out.append(r)
     return out
 
 
