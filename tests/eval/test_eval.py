@@ -350,3 +350,6 @@ def test_load_pools_a_results_journal_beside_a_saved_run(tmp_path):
         journal.append(asdict(r))
     pooled = needle.load([tmp_path / "a.json", tmp_path / "b.jsonl"])
     assert sorted((r.mode, r.ratio) for r in pooled) == [("cacheclip", 0.4), ("full", 1.0), ("reuse", 0.0)]
+    with open(tmp_path / "b.jsonl", "a") as f:
+        f.write('{"length": 20')  # a row cut off mid-write, as a killed run leaves it: left out, as a resume does
+    assert len(needle.load([tmp_path / "a.json", tmp_path / "b.jsonl"])) == 3

@@ -34,26 +34,16 @@ class Journal:
 
     def _read(self) -> None:
         lines = self.path.read_text(encoding="utf-8").splitlines()
-        try:
-            first = json.loads(lines[0])["journal"]
-        except (json.JSONDecodeError, KeyError, TypeError, IndexError):
+        first = _header(lines[0] if lines else "")
+        if first is None:
             raise ValueError(f"{self.path} is not a bench journal (its first line is no header); "
-                             "give another --results path") from None
+                             "give another --results path")
         differ = sorted(k for k in set(first) | set(self.header) if first.get(k) != self.header.get(k))
         if differ:
             shown = "; ".join(f"{k}: {first.get(k)!r} there, {self.header.get(k)!r} here" for k in differ)
             raise ValueError(f"{self.path} holds another run ({shown}); resume it with the same settings "
                              "or give another --results path")
-        kept = 1
-        for n, line in enumerate(lines[1:], 2):
-            try:
-                self.rows.append(json.loads(line))
-                kept = n
-            except json.JSONDecodeError:
-                if n != len(lines):
-                    raise ValueError(f"{self.path}:{n}: a damaged row before the last; the journal cannot be "
-                                     "resumed safely") from None
-                log.warning("%s:%d: dropping a row cut off mid-write; it is measured again", self.path, n)
+        self.rows, kept = _rows(lines, self.path)
         if kept != len(lines):
             self.path.write_text("\n".join(lines[:kept]) + "\n", encoding="utf-8")
 
@@ -71,6 +61,40 @@ class Journal:
         """The rows' values of `fields`, as tuples: what has been measured."""
         fields = tuple(fields)
         return {tuple(_hashable(r.get(f)) for f in fields) for r in self.rows}
+
+
+def read_rows(path: str | Path) -> list[dict] | None:
+    """The measured rows of a journal file, read only (a last row cut off mid-write is left out);
+    None when the file is no journal (its first line is no header)."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    if not lines or _header(lines[0]) is None:
+        return None
+    return _rows(lines, path)[0]
+
+
+def _header(line: str) -> dict | None:
+    """A journal's first line's settings, or None where the line is no journal header."""
+    try:
+        head = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return head["journal"] if isinstance(head, dict) and isinstance(head.get("journal"), dict) else None
+
+
+def _rows(lines: list[str], path: str | Path) -> tuple[list[dict], int]:
+    """The rows after the header and how many lines are whole: a damaged last line (a kill
+    mid-write) is dropped with a warning, a damaged one before it is an error."""
+    rows, kept = [], 1
+    for n, line in enumerate(lines[1:], 2):
+        try:
+            rows.append(json.loads(line))
+            kept = n
+        except json.JSONDecodeError:
+            if n != len(lines):
+                raise ValueError(f"{path}:{n}: a damaged row before the last; the journal cannot be "
+                                 "resumed safely") from None
+            log.warning("%s:%d: dropping a row cut off mid-write; it is measured again", path, n)
+    return rows, kept
 
 
 def _hashable(value):

@@ -20,7 +20,7 @@ from pathlib import Path
 from ..engine import CacheClipEngine
 from ..offline.niah import VARIANTS, NeedleSample, generate, score
 from ..request import selector as registry
-from .journal import Journal
+from .journal import Journal, read_rows
 from .stats import bootstrap_interval, mean_of_means, nanmean
 
 log = logging.getLogger(__name__)
@@ -366,17 +366,9 @@ def write_json(results: list[NeedleResult], rows: list[dict], path: str | Path, 
 
 
 def _saved_samples(path: str | Path) -> list[dict]:
-    """The per-sample rows of a `write_json` file, or of a --results journal (a header line, then
-    one row a line)."""
-    text = Path(path).read_text(encoding="utf-8")
-    first, _, rest = text.partition("\n")
-    try:
-        head = json.loads(first)
-    except json.JSONDecodeError:
-        head = None
-    if isinstance(head, dict) and "journal" in head:
-        return [json.loads(line) for line in rest.splitlines() if line.strip()]
-    return json.loads(text)["samples"]
+    """The per-sample rows of a `write_json` file, or of a --results journal."""
+    rows = read_rows(path)
+    return rows if rows is not None else json.loads(Path(path).read_text(encoding="utf-8"))["samples"]
 
 
 def load(paths: list[str | Path]) -> list[NeedleResult]:

@@ -56,11 +56,10 @@ class Int8:
         return quant.dequantize(codes, step, None, head_dim, dtype)
 
     def bound(self, kind: Kind, x: torch.Tensor) -> torch.Tensor:
-        _, step, lo = self._quantize(kind, x)
-        if kind == "k":  # the product code x step is at most 255 steps
-            spread = quant.token_spread(step, KEY_GROUP, x.shape[1])
-            return quant.bound_of(spread, x.float().abs() + 255 * spread)
-        return quant.bound_of(quant.channel_spread(step, x.shape[2]), x.float().abs())
+        _, step, _ = self._quantize(kind, x)
+        spread = quant.element_steps(kind, step, x.shape, KEY_GROUP)  # the size is the keys' token group
+        product = 255 * spread if kind == "k" else 0  # asymmetric keys: the product code x step, up to 255 steps
+        return quant.bound_of(spread, x.float().abs() + product)
 
     @staticmethod
     def _quantize(kind: Kind, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
