@@ -59,6 +59,46 @@ def test_layer_reader_feeder_equals_plain_assembly(eng, pipelined, block, monkey
         assert all(torch.equal(a, b) for a, b in zip(kv.keys, plain_kvs[cid].keys))
 
 
+def _fed(frame, layout, sources, prefix):
+    cache = AssembledCache.empty(frame.lm, layout.num_tokens)
+    for i in range(frame.lm.num_layers):
+        cache.keys[i][0, :, : layout.prefix_len] = prefix.keys[i]
+        cache.values[i][0, :, : layout.prefix_len] = prefix.values[i]
+    LayerFeeder(frame.lm, layout, sources, torch.arange(layout.num_tokens), cache, rebuild=None,
+                pipelined=False).finish()
+    return cache
+
+
+@pytest.mark.parametrize("codec", ["int8", "bf16"])
+def test_block_rerotation_with_two_thetas_and_a_chunk_in_two_places(tiny_tokenizer, tiny_pair, tmp_path, codec,
+                                                                    monkeypatch):
+    """A reader's keys are re-rotated a block of layers at a time: on gemma3 a block mixes its two
+    RoPE thetas (each run of layers moved with its own), and a chunk placed twice in one request is
+    moved to each place on its own; both equal the plain per-layer assembly exactly."""
+    from conftest import tiny_model
+
+    from cacheclip_rag.config import StoreConfig
+
+    monkeypatch.setattr(pipeline, "DECODE_BLOCK", 3)  # layers 0-2 mix sliding and full attention
+    gemma = tiny_model("gemma3", tiny_tokenizer, layers=4)
+    cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4), store=StoreConfig(kv_codec=codec))
+    engine = CacheClipEngine(gemma, tiny_pair[1], tmp_path, cfg)
+    a, b = engine.ingest(CORPUS[:2], progress=False)[:2]
+    frame = engine.primary
+    layout = engine.prepare(Q, [a, b, a]).layout
+    ids = [s.chunk_id for s in layout.chunk_segments()]
+    assert ids.count(a) == 2, ids
+    prefix = frame.prefix()
+    plain = {cid: engine.store.get_kv(frame.namespace, cid) for cid in set(ids)}
+    expected = assemble(frame.lm, layout, prefix, plain)
+    engine.store.clear_memory()
+    sources = {cid: engine.store.open_layers(frame.namespace, cid) for cid in set(ids)}
+    assert {src.codec for src in sources.values()} == {codec}
+    cache = _fed(frame, layout, sources, prefix)
+    for i in range(frame.lm.num_layers):
+        assert torch.equal(cache.keys[i], expected.keys[i]) and torch.equal(cache.values[i], expected.values[i])
+
+
 @pytest.mark.parametrize("mode", ["cacheclip", "cacheblend", "ape", "reuse"])
 def test_overlap_and_pipelining_never_change_the_answer(eng, mode):
     answers = []

@@ -17,12 +17,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import torch
 
 from ..models.loading import LoadedModel
 from ..storage.record import ChunkKV, DamagedCacheError, LayerReader
+from ..models.rope import rerotate
 from .assemble import AssembledCache, Layout, write_prefix, write_segment
 
 log = logging.getLogger(__name__)
@@ -32,9 +34,9 @@ Source = ChunkKV | LayerReader
 
 
 DECODE_BLOCK = 6
-"""Layers of a chunk read from the store that are decoded together (`LayerReader.layers`): a
-compressed record's decode is dominated by per-call overhead on CPUs, so a block of layers costs
-little more than one; the first layer waits for its block, the rest are then at hand."""
+"""Layers of a chunk read from the store together (`LayerReader.block`), decoded in one call and
+their keys re-rotated in one: both are dominated by per-call overhead on CPUs, so a block of
+layers costs little more than one; the first layer waits for its block, the rest are then at hand."""
 
 
 class LayerFeeder:
@@ -63,6 +65,9 @@ class LayerFeeder:
         self._loaded: dict[str, tuple[list, list]] = {
             cid: ([], []) for cid, src in self._sources.items() if isinstance(src, LayerReader)
         }
+        self._moved: dict[str, list[torch.Tensor | None]] = {}
+        segments = Counter(seg.chunk_id for seg in layout.chunk_segments())
+        self._once = {cid for cid, n in segments.items() if n == 1}
         self._ready = [threading.Event() for _ in range(lm.num_layers)]
         self._error: BaseException | None = None
         self.busy = 0.0
@@ -104,28 +109,54 @@ class LayerFeeder:
             if isinstance(source, LayerReader) and len(keys) == self._lm.num_layers:
                 self._on_loaded(cid, ChunkKV(keys, values, source.token_ids, source.offsets, source.start_pos))
 
-    def _read(self, chunk_id: str, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i of a chunk; a reader's layers are decoded DECODE_BLOCK at a time and kept."""
+    def _read(self, chunk_id: str, i: int, delta: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Layer i of a chunk: K, V and the positions K is still to be moved by. A reader's layers
+        are read DECODE_BLOCK at a time, their keys moved by `delta` together (`_move`), and kept."""
         source = self._sources[chunk_id]
         if isinstance(source, ChunkKV):
-            return source.keys[i], source.values[i]
+            return source.keys[i], source.values[i], delta
         keys, values = self._loaded[chunk_id]
+        once = chunk_id in self._once
+        moved = self._moved.setdefault(chunk_id, [])
         if len(keys) <= i:
-            more_keys, more_values = source.layers(len(keys), i + DECODE_BLOCK)
-            keys += more_keys
-            values += more_values
-        return keys[i], values[i]
+            block_keys, block_values = source.block(len(keys), i + DECODE_BLOCK)
+            if once:
+                moved += self._move(block_keys, len(keys), delta)
+            keys += block_keys.unbind(0)
+            values += block_values.unbind(0)
+        if not once:  # at several places in this request: each segment moves its own copy
+            return keys[i], values[i], delta
+        k, moved[i] = moved[i], None  # written once; the request's cache holds it from here
+        return k, values[i], 0
+
+    def _move(self, keys: torch.Tensor, first: int, delta: int) -> list[torch.Tensor]:
+        """Keys of layers first.. ([layers, H, T, D], as stored) moved by `delta` positions on the
+        cache's device, one `rerotate` call for each run of layers that share RoPE frequencies
+        (every layer of most families): at a handful of re-rotations a chunk instead of one a
+        layer, the per-call overhead of small tensors stops dominating a cold read."""
+        keys = keys.to(self._cache.keys[0].device, non_blocking=True)
+        out: list[torch.Tensor] = []
+        start = 0
+        while start < keys.shape[0]:
+            inv_freq = self._lm.family.inv_freq(first + start)
+            stop = start + 1
+            while stop < keys.shape[0] and self._lm.family.inv_freq(first + stop) is inv_freq:
+                stop += 1
+            out += rerotate(keys[start:stop], delta, inv_freq).unbind(0)
+            start = stop
+        return out
 
     def _fill(self, i: int) -> None:
         for seg in self._layout.chunk_segments():
+            delta = int(self._positions[seg.start]) - self._sources[seg.chunk_id].start_pos
             try:
-                k, v = self._read(seg.chunk_id, i)
+                k, v, still = self._read(seg.chunk_id, i, delta)
             except DamagedCacheError as err:
                 log.warning("chunk %s: cache damaged at layer %d (%s); re-encoding it", seg.chunk_id, i, err)
                 self._sources[seg.chunk_id] = self._rebuild(seg.chunk_id, err)
-                k, v = self._read(seg.chunk_id, i)
-            delta = int(self._positions[seg.start]) - self._sources[seg.chunk_id].start_pos
-            write_segment(self._cache, i, seg, k, v, delta, self._lm.family.inv_freq(i))
+                delta = int(self._positions[seg.start]) - self._sources[seg.chunk_id].start_pos
+                k, v, still = self._read(seg.chunk_id, i, delta)
+            write_segment(self._cache, i, seg, k, v, still, self._lm.family.inv_freq(i))
 
     def wait(self, layer: int) -> None:
         start = time.perf_counter()

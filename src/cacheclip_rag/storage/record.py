@@ -196,40 +196,50 @@ class LayerReader:
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of layer i: [kv_heads, T, head_dim] each, decoded (a stored tensor that does not
         fit the codec's layout is damage)."""
-        keys, values = self._decoded([self._get(f"k.{i}")], [self._get(f"v.{i}")], f"layer {i}")
+        keys, values = self.layers(i, i + 1)
         return keys[0], values[0]
 
     def layers(self, start: int, stop: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """K and V of layers start..stop-1 (stop clipped to the record's depth), each
-        [kv_heads, T, head_dim], decoded together: one decode over the layers side by side costs
-        about half of stop - start decodes of one (the per-op overhead of small tensors dominates
-        on CPUs)."""
-        stop = min(stop, self.num_layers)
-        if not 0 <= start < stop:
-            raise ValueError(f"layers({start}, {stop}) of a record of {self.num_layers} layers")
-        picked = range(start, stop)
-        return self._decoded([self._get(f"k.{i}") for i in picked], [self._get(f"v.{i}") for i in picked],
-                             f"layers {start}-{stop - 1}")
+        [kv_heads, T, head_dim]; a compressed record's are decoded together (`block`)."""
+        picked = self._picked(start, stop)
+        if self.codec == codecs.DEFAULT_CODEC:  # stored as they are used: no copy
+            return [self._get(f"k.{i}") for i in picked], [self._get(f"v.{i}") for i in picked]
+        keys, values = self.block(start, stop)
+        return list(keys.unbind(0)), list(values.unbind(0))
 
-    def first_layers(self, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """K and V of layers 0..n-1, decoded together (`layers`), for reads that need them all."""
-        return self.layers(0, n)
-
-    def _decoded(self, keys: list[torch.Tensor], values: list[torch.Tensor], what: str
-                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Stored [H, bytes] tensors of some layers -> decoded [H, T, D] ones (the heads of the
-        layers stacked are decoded as heads: a codec's layout is per head)."""
+    def block(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of layers start..stop-1 (stop clipped to the record's depth) as one tensor each,
+        [layers, kv_heads, T, head_dim], so that what follows (re-rotation) is one call for all
+        of them too. A compressed record's layers are decoded together: one decode over the layers
+        side by side costs about half of stop - start decodes of one (the per-op overhead of small
+        tensors dominates on CPUs); a bf16 record's are stacked (a copy)."""
+        picked = self._picked(start, stop)
+        keys = [self._get(f"k.{i}") for i in picked]
+        values = [self._get(f"v.{i}") for i in picked]
         if self.codec == codecs.DEFAULT_CODEC:
-            return keys, values
+            return torch.stack(keys), torch.stack(values)
+        what = f"layers {picked.start}-{picked.stop - 1}"
         try:
             heads = keys[0].shape[0]
             out = []
             for kind, stored in (("k", keys), ("v", values)):
                 both = stored[0] if len(stored) == 1 else torch.cat(stored)
-                out.append(list(self._coder.decode(kind, both, self.num_tokens, self._head_dim, self._dtype).split(heads)))
+                decoded = self._coder.decode(kind, both, self.num_tokens, self._head_dim, self._dtype)
+                out.append(decoded.view(len(picked), heads, *decoded.shape[1:]))
             return out[0], out[1]
         except (ValueError, RuntimeError) as err:
             raise DamagedCacheError(f"{what}: not decodable with codec {self.codec!r} ({err})") from err
+
+    def _picked(self, start: int, stop: int) -> range:
+        stop = min(stop, self.num_layers)
+        if not 0 <= start < stop:
+            raise ValueError(f"layers({start}, {stop}) of a record of {self.num_layers} layers")
+        return range(start, stop)
+
+    def first_layers(self, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """K and V of layers 0..n-1 (`layers`), for reads that need them all."""
+        return self.layers(0, n)
 
     def read_all(self) -> ChunkKV:
         try:

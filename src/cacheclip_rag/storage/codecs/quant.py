@@ -68,12 +68,20 @@ def asymmetric(x: torch.Tensor, bits: int, size: int) -> tuple[torch.Tensor, tor
 
 
 def _scale_into(out: torch.Tensor, codes: torch.Tensor, step: torch.Tensor, lo: torch.Tensor | None) -> None:
-    """out = codes x step (+ lo), broadcast, computed in float32 and rounded once into out's dtype
-    (one pass over the codes: no float32 copy of the result)."""
+    """out = codes x step (+ lo), broadcast, computed in float32 and rounded once into out's dtype.
+
+    The codes are widened to float32 first and scaled in place: torch's CPU loops over mixed
+    dtypes (integer codes, float32 scales, a bfloat16 result) cast element by element, while a
+    widening copy, a float32 multiply-add and a narrowing copy each run vectorized, together
+    about 3x faster on a block of layers of one chunk (the cold read's critical path)."""
+    wide = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
+    wide.copy_(codes)
     if lo is None:
-        torch.mul(codes, step, out=out)
+        wide.mul_(step)
     else:
-        torch.addcmul(lo, codes, step, out=out)
+        torch.addcmul(lo, wide, step, out=wide)
+    if wide is not out:
+        out.copy_(wide)
 
 
 def dequantize(codes: torch.Tensor, step: torch.Tensor, lo: torch.Tensor | None, n: int,
@@ -95,7 +103,8 @@ def dequantize_tokens(codes: torch.Tensor, step: torch.Tensor, lo: torch.Tensor 
     groups = full // size
 
     def scales(t: torch.Tensor | None, part: slice) -> torch.Tensor | None:
-        return None if t is None else t[..., part].float().transpose(1, 2).unsqueeze(2)  # [H, g, 1, D]
+        # [H, g, 1, D], contiguous: a strided inner axis would keep the multiply-add from vectorizing
+        return None if t is None else t[..., part].float().transpose(1, 2).contiguous().unsqueeze(2)
 
     if full:
         _scale_into(out[:, :full].view(heads, groups, size, dim),
