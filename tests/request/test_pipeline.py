@@ -72,14 +72,14 @@ def _fed(frame, layout, sources, prefix):
 @pytest.mark.parametrize("codec", ["int8", "bf16"])
 def test_block_rerotation_with_two_thetas_and_a_chunk_in_two_places(tiny_tokenizer, tiny_pair, tmp_path, codec,
                                                                     monkeypatch):
-    """A reader's keys are re-rotated a block of layers at a time: on gemma3 a block mixes its two
-    RoPE thetas (each run of layers moved with its own), and a chunk placed twice in one request is
-    moved to each place on its own; both equal the plain per-layer assembly exactly."""
+    """Keys are re-rotated a block of layers at a time, read from a record or from memory: on
+    gemma3 a block mixes its two RoPE thetas (each run of layers moved with its own), and a chunk
+    placed twice in one request is moved to each place on its own; both equal the assembly one
+    layer at a time exactly."""
     from conftest import tiny_model
 
     from cacheclip_rag.config import StoreConfig
 
-    monkeypatch.setattr(pipeline, "DECODE_BLOCK", 3)  # layers 0-2 mix sliding and full attention
     gemma = tiny_model("gemma3", tiny_tokenizer, layers=4)
     cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4), store=StoreConfig(kv_codec=codec))
     engine = CacheClipEngine(gemma, tiny_pair[1], tmp_path, cfg)
@@ -90,13 +90,17 @@ def test_block_rerotation_with_two_thetas_and_a_chunk_in_two_places(tiny_tokeniz
     assert ids.count(a) == 2, ids
     prefix = frame.prefix()
     plain = {cid: engine.store.get_kv(frame.namespace, cid) for cid in set(ids)}
+    monkeypatch.setattr(pipeline, "DECODE_BLOCK", 1)  # the reference: one layer at a time
     expected = assemble(frame.lm, layout, prefix, plain)
+    monkeypatch.setattr(pipeline, "DECODE_BLOCK", 3)  # layers 0-2 mix sliding and full attention
+    in_memory = assemble(frame.lm, layout, prefix, plain)
     engine.store.clear_memory()
     sources = {cid: engine.store.open_layers(frame.namespace, cid) for cid in set(ids)}
     assert {src.codec for src in sources.values()} == {codec}
     cache = _fed(frame, layout, sources, prefix)
-    for i in range(frame.lm.num_layers):
-        assert torch.equal(cache.keys[i], expected.keys[i]) and torch.equal(cache.values[i], expected.values[i])
+    for got in (cache, in_memory):
+        for i in range(frame.lm.num_layers):
+            assert torch.equal(got.keys[i], expected.keys[i]) and torch.equal(got.values[i], expected.values[i])
 
 
 @pytest.mark.parametrize("mode", ["cacheclip", "cacheblend", "ape", "reuse"])

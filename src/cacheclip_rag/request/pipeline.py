@@ -110,22 +110,27 @@ class LayerFeeder:
                 self._on_loaded(cid, ChunkKV(keys, values, source.token_ids, source.offsets, source.start_pos))
 
     def _read(self, chunk_id: str, i: int, delta: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Layer i of a chunk: K, V and the positions K is still to be moved by. A reader's layers
-        are read DECODE_BLOCK at a time, their keys moved by `delta` together (`_move`), and kept."""
+        """Layer i of a chunk: K, V and the positions K is still to be moved by. Layers are taken
+        DECODE_BLOCK at a time (a reader's read and decoded together, and kept for the memory
+        tier) and their keys moved by `delta` together (`_move`)."""
         source = self._sources[chunk_id]
-        if isinstance(source, ChunkKV):
-            return source.keys[i], source.values[i], delta
-        keys, values = self._loaded[chunk_id]
         once = chunk_id in self._once
         moved = self._moved.setdefault(chunk_id, [])
-        if len(keys) <= i:
-            block_keys, block_values = source.block(len(keys), i + DECODE_BLOCK)
-            if once:
-                moved += self._move(block_keys, len(keys), delta)
-            keys += block_keys.unbind(0)
-            values += block_values.unbind(0)
+        if isinstance(source, LayerReader):
+            keys, values = self._loaded[chunk_id]
+            if len(keys) <= i:
+                block_keys, block_values = source.block(len(keys), i + DECODE_BLOCK)
+                if once:  # already one tensor: moved without a copy
+                    moved += self._move(block_keys, len(keys), delta)
+                keys += block_keys.unbind(0)
+                values += block_values.unbind(0)
+        else:
+            keys, values = source.keys, source.values
         if not once:  # at several places in this request: each segment moves its own copy
             return keys[i], values[i], delta
+        if len(moved) <= i:
+            start = len(moved)
+            moved += self._move(torch.stack(keys[start:start + DECODE_BLOCK]), start, delta)
         k, moved[i] = moved[i], None  # written once; the request's cache holds it from here
         return k, values[i], 0
 
