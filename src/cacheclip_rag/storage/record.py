@@ -193,6 +193,11 @@ class LayerReader:
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
 
+    @property
+    def compressed(self) -> bool:
+        """Whether its layers are decoded on read (any codec but the default's bf16)."""
+        return self.codec != codecs.DEFAULT_CODEC
+
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of layer i: [kv_heads, T, head_dim] each, decoded (a stored tensor that does not
         fit the codec's layout is damage)."""
@@ -203,7 +208,7 @@ class LayerReader:
         """K and V of layers start..stop-1 (stop clipped to the record's depth), each
         [kv_heads, T, head_dim]; a compressed record's are decoded together (`block`)."""
         picked = self._picked(start, stop)
-        if self.codec == codecs.DEFAULT_CODEC:  # stored as they are used: no copy
+        if not self.compressed:  # stored as they are used: no copy
             return [self._get(f"k.{i}") for i in picked], [self._get(f"v.{i}") for i in picked]
         keys, values = self.block(start, stop)
         return list(keys.unbind(0)), list(values.unbind(0))
@@ -217,7 +222,7 @@ class LayerReader:
         picked = self._picked(start, stop)
         keys = [self._get(f"k.{i}") for i in picked]
         values = [self._get(f"v.{i}") for i in picked]
-        if self.codec == codecs.DEFAULT_CODEC:
+        if not self.compressed:
             return torch.stack(keys), torch.stack(values)
         what = f"layers {picked.start}-{picked.stop - 1}"
         try:
