@@ -118,14 +118,14 @@ class LayerFeeder:
         moved = self._moved.setdefault(chunk_id, [])
         if isinstance(source, LayerReader):
             keys, values = self._loaded[chunk_id]
-            if len(keys) <= i and source.compressed:  # decoded together into one tensor: moved without a copy
-                block_keys, block_values = source.block(len(keys), i + DECODE_BLOCK)
-                if once:
-                    moved += self._move(block_keys, len(keys), delta)
-                keys += block_keys.unbind(0)
-                values += block_values.unbind(0)
-            elif len(keys) <= i:  # stored as used: values copied straight into the cache, keys stacked below
-                more_keys, more_values = source.layers(len(keys), i + DECODE_BLOCK)
+            if len(keys) <= i:
+                if source.compressed:  # decoded together into one tensor: its keys moved without a copy
+                    block_keys, block_values = source.block(len(keys), i + DECODE_BLOCK)
+                    if once:
+                        moved += self._move(block_keys, len(keys), delta)
+                    more_keys, more_values = block_keys.unbind(0), block_values.unbind(0)
+                else:  # stored as used: values go straight into the cache, keys are stacked below
+                    more_keys, more_values = source.layers(len(keys), i + DECODE_BLOCK)
                 keys += more_keys
                 values += more_values
         else:
