@@ -72,10 +72,10 @@ def _fed(frame, layout, sources, prefix):
 @pytest.mark.parametrize("codec", ["int8", "bf16"])
 def test_block_rerotation_with_two_thetas_and_a_chunk_in_two_places(tiny_tokenizer, tiny_pair, tmp_path, codec,
                                                                     monkeypatch):
-    """Keys are re-rotated a block of layers at a time, read from a record or from memory: on
-    gemma3 a block mixes its two RoPE thetas (each run of layers moved with its own), and a chunk
-    placed twice in one request is moved to each place on its own; both equal the assembly one
-    layer at a time exactly."""
+    """A compressed record's keys are re-rotated a block of layers at a time: on gemma3 a block
+    mixes its two RoPE thetas (each run of layers moved with its own), and a chunk placed twice in
+    one request is moved to each place on its own; bf16 records and chunks in memory layer by
+    layer. Every way equals the assembly one layer at a time exactly."""
     from conftest import tiny_model
 
     from cacheclip_rag.config import StoreConfig
