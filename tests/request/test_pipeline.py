@@ -59,16 +59,6 @@ def test_layer_reader_feeder_equals_plain_assembly(eng, pipelined, block, monkey
         assert all(torch.equal(a, b) for a, b in zip(kv.keys, plain_kvs[cid].keys))
 
 
-def _fed(frame, layout, sources, prefix):
-    cache = AssembledCache.empty(frame.lm, layout.num_tokens)
-    for i in range(frame.lm.num_layers):
-        cache.keys[i][0, :, : layout.prefix_len] = prefix.keys[i]
-        cache.values[i][0, :, : layout.prefix_len] = prefix.values[i]
-    LayerFeeder(frame.lm, layout, sources, torch.arange(layout.num_tokens), cache, rebuild=None,
-                pipelined=False).finish()
-    return cache
-
-
 @pytest.mark.parametrize("codec", ["int8", "bf16"])
 def test_block_rerotation_with_two_thetas_and_a_chunk_in_two_places(tiny_tokenizer, tiny_pair, tmp_path, codec,
                                                                     monkeypatch):
@@ -97,7 +87,8 @@ def test_block_rerotation_with_two_thetas_and_a_chunk_in_two_places(tiny_tokeniz
     engine.store.clear_memory()
     sources = {cid: engine.store.open_layers(frame.namespace, cid) for cid in set(ids)}
     assert {src.codec for src in sources.values()} == {codec}
-    cache = _fed(frame, layout, sources, prefix)
+    cache, feeder = pipeline.start_assembly(frame.lm, layout, prefix, sources)
+    feeder.finish()
     for got in (cache, in_memory):
         for i in range(frame.lm.num_layers):
             assert torch.equal(got.keys[i], expected.keys[i]) and torch.equal(got.values[i], expected.values[i])

@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 
 from ..models.loading import LoadedModel
-from ..storage.record import ChunkKV, DamagedCacheError, LayerReader
 from ..models.rope import rerotate
+from ..storage.record import ChunkKV, DamagedCacheError, LayerReader
 from .assemble import AssembledCache, Layout, write_prefix, write_segment
 
 log = logging.getLogger(__name__)
