@@ -73,6 +73,25 @@ def test_calibrate_then_store_stats_shows_the_profile(folders, tmp_path, capsys)
     assert f"selection profile: aux layers {profile['aux_layers']}" in capsys.readouterr().out
 
 
+def test_calibrate_on_a_qa_file_takes_its_last_questions_and_their_length(folders, tmp_path, capsys):
+    """`calibrate --data`: passages as chunks under the dataset's prompt, the file's last --samples
+    questions by default (bench qa starts at the first), the profile at their median length; a
+    range outside the file is refused, naming it."""
+    data = tmp_path / "musique_s.json"
+    data.write_text(json.dumps([{"question": f"What is code {i}?", "answers": ["4721"],
+                                 "ctxs": [{"title": "", "text": CORPUS[i]}, {"title": "", "text": CORPUS[2]}]}
+                                for i in range(3)]))
+    out = tmp_path / "cal.json"
+    args = ["calibrate", "--data", str(data), "--samples", "2", "--json", str(out), *_args(folders, tmp_path / "s")]
+    assert main(args) == 0
+    assert "calibrating on musique_s.json questions 1-2 (cacheblend)" in capsys.readouterr().out
+    profile = json.loads(out.read_text())["profile"]
+    assert profile["inputs"] == "musique_s.json questions 1-2 (cacheblend)" and profile["seeds"] == []
+    assert len(profile["lengths"]) == 1 and 60 < profile["lengths"][0] < 400, profile["lengths"]
+    assert main([*args, "--offset", "3"]) == 2
+    assert "--offset 3 / --samples 2: " in capsys.readouterr().err
+
+
 def test_bench_niah_pools_saved_runs_without_loading_models(tmp_path, capsys):
     from cacheclip_rag.eval import needle
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from ..config import EngineConfig, ModelConfig
 from ..corpus import packets as packet_lib
 from ..engine import CacheClipEngine
+from ..eval.qa_data import FORMATS as QA_FORMATS
 from ..hardware import describe as describe_cpu
 from ..models.loading import DEFAULT_AUX, DEFAULT_PRIMARY
 from .common import add_common, add_dtype, engine_from_args, progress_bar
@@ -33,7 +34,10 @@ def cmd_models(args) -> int:
 def cmd_calibrate(args) -> int:
     from ..offline.calibrate import calibrate, calibrate_share, table
 
-    engine = engine_from_args(args)
+    if args.data is None:
+        engine, extra = engine_from_args(args), {}
+    else:
+        engine, extra = _qa_calibration(args)
     if args.auto_share:
         profiles = calibrate_share(engine, tuple(args.lengths), args.samples, ratio=args.ratio)
         for profile in profiles:
@@ -43,7 +47,7 @@ def cmd_calibrate(args) -> int:
             Path(args.json).write_text(json.dumps({"profiles": [p.to_dict() for p in profiles]}, indent=2))
         return 0
     profile, scores = calibrate(engine, tuple(args.lengths), args.samples, ratio=args.ratio, max_run=args.max_run,
-                                criterion=args.criterion)
+                                criterion=args.criterion, **extra)
     print(table(scores, engine.aux.lm.num_layers))
     measured = profile.measured
     base = measured["baseline_kl"]
@@ -58,6 +62,26 @@ def cmd_calibrate(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"profile": profile.to_dict(), "scores": [s.__dict__ for s in scores]}, indent=2))
     return 0
+
+
+def _qa_calibration(args) -> tuple[CacheClipEngine, dict]:
+    """`calibrate --data FILE`: the engine under the dataset's prompt, and the questions to
+    calibrate on (by default the file's last --samples, away from where `bench qa` starts)."""
+    from ..eval import qa_data
+    from ..offline.calibrate import qa_inputs
+
+    if args.auto_share:
+        raise ValueError("--auto-share calibrates on generated inputs; it does not take --data")
+    data = qa_data.load(args.data, args.format)
+    n = len(data.examples)
+    offset = n - args.samples if args.offset is None else args.offset
+    if not 0 <= offset < n or args.samples < 1:
+        raise ValueError(f"--offset {args.offset} / --samples {args.samples}: {args.data} holds questions 0-{n - 1}")
+    chosen = data.examples[offset : offset + args.samples]
+    source = f"{Path(args.data).name} questions {offset}-{offset + len(chosen) - 1} ({data.format})"
+    print(f"calibrating on {source}: keep them out of what you evaluate")
+    prompt = data.prompt if args.prompt == "dataset" else None
+    return engine_from_args(args, prompt=prompt), {"inputs": qa_inputs(chosen), "source": source}
 
 
 def cmd_train(args) -> int:
@@ -123,11 +147,22 @@ def add_commands(sub) -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[2048],
                    help="context lengths of the calibration inputs: those your requests have (a profile calibrated "
                         "at 1K scored twice the KL of one calibrated at 2K on 2K requests)")
-    p.add_argument("--samples", type=int, default=6, help="calibration inputs per length (seeds disjoint from evaluation)")
+    p.add_argument("--samples", type=int, default=6,
+                   help="calibration inputs per length (seeds disjoint from evaluation), or questions of --data")
     p.add_argument("--ratio", type=float, default=0.2, help="recompute fraction the candidates are compared at")
     p.add_argument("--max-run", type=int, default=3, help="longest run of adjacent aux layers tried")
     p.add_argument("--criterion", choices=["kl", "hard"], default="kl",
                    help="kl: mean KL over the answer; hard: divergence left where reuse diverges most")
+    p.add_argument("--data", default=None,
+                   help="calibrate on questions of a QA file (as `bench qa --data` reads) instead of generated "
+                        "needles: their passages as chunks, under the dataset's prompt; the profile's length is "
+                        "their median prompt length (--lengths is unused)")
+    p.add_argument("--format", choices=list(QA_FORMATS), default="auto",
+                   help="--data's format")
+    p.add_argument("--offset", type=int, default=None,
+                   help="--data's first question (0-based; default: the file's last --samples questions)")
+    p.add_argument("--prompt", choices=["dataset", "engine"], default="dataset",
+                   help="with --data: the instruction of the dataset's own harness, or the engine's default prompt")
     p.add_argument("--auto-share", action="store_true",
                    help="only calibrate recompute_ratio='auto' for the profile in use at each length: the aux "
                         "attention share whose mean recomputed fraction is --ratio")

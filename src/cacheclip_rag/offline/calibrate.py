@@ -1,10 +1,12 @@
 """Calibrate how the aux model scores tokens for a model pair, on generated inputs.
 
-Calibration inputs are needle-style samples whose seeds are disjoint from every evaluation seed;
-their answers are never read. Each sample is ingested into a scratch store and asked the way the
-engine asks, so the aux signal calibrated is exactly the one served: the query's attention over
-each chunk (`select.score_chunks_by_layer`), or over all of them at once where that fits the aux
-model (`select.score_joint_by_layer`, `SelectConfig.context`).
+Calibration inputs are needle-style samples whose seeds are disjoint from every evaluation seed,
+or questions of the user's own QA file (`qa_inputs`: its passages as chunks, its question under
+the engine's prompt; questions held out from evaluation); their answers are never read. Each
+input is ingested into a scratch store and asked the way the engine asks, so the aux signal
+calibrated is exactly the one served: the query's attention over each chunk
+(`select.score_chunks_by_layer`), or over all of them at once where that fits the aux model
+(`select.score_joint_by_layer`, `SelectConfig.context`).
 
 Candidates are each aux layer, then each run of 2..max_run adjacent layers (their scores
 averaged) that holds one of the best single layers. Every candidate is measured two ways:
@@ -100,6 +102,28 @@ class CandidateScore:
 DEFAULT_VARIANT = ("mean", "mean", "none", "chunk")
 
 
+@dataclass(frozen=True)
+class CalibrationInput:
+    """One request to calibrate on: documents ingested as one engine call (`split`: chunked as the
+    engine chunks, or each document one chunk, as QA passages are), then the question asked."""
+
+    question: str
+    documents: list
+    split: bool = True
+
+
+def needle_input(variant: str, length: int, seed: int, tokenizer) -> CalibrationInput:
+    """A generated needle sample of about `length` tokens (`offline.niah`)."""
+    sample = generate(variant, length, seed, tokenizer)
+    return CalibrationInput(sample.question, [sample.context])
+
+
+def qa_inputs(examples) -> list[CalibrationInput]:
+    """QA examples (`eval.qa_data.QAExample`) as calibration inputs: each passage one chunk, in
+    order, as `bench qa` asks them."""
+    return [CalibrationInput(ex.question, [dict(c) for c in ex.contexts], split=False) for ex in examples]
+
+
 @dataclass
 class _Sample:
     """What one calibration input needs, computed once: the primary's reference signals, the
@@ -121,7 +145,8 @@ def calibrate(engine: CacheClipEngine, lengths: tuple[int, ...] = (2048,), sampl
     """Calibrate the model pair of `engine` at `lengths` and add the profile to its store
     (replacing one calibrated at the same lengths); its requests nearest those lengths use it from
     then on. The generated calibration chunks go to a scratch store, never into the engine's.
-    kwargs: seed, max_run, ratio, answer_tokens, criterion, progress (as `measure_pair`).
+    kwargs: seed, max_run, ratio, answer_tokens, criterion, progress, inputs, source (as
+    `measure_pair`; with `inputs` the profile's length is theirs, not `lengths`).
     Returns (profile, candidate scores)."""
     with tempfile.TemporaryDirectory(prefix="cacheclip-calibrate-") as scratch:
         with CacheClipEngine(engine.primary.lm, engine.aux.lm, scratch, engine.config) as scratch_engine:
@@ -140,12 +165,17 @@ def measure_pair(
     answer_tokens: int = 64,
     criterion: str = "kl",
     progress: bool = True,
+    inputs: list[CalibrationInput] | None = None,
+    source: str = "",
 ) -> tuple[Profile, list[CandidateScore]]:
     """Measure every scoring candidate on `engine` (a scratch one: calibration chunks are
     ingested into its store) and return the best as a profile, without storing it.
 
     criterion: "kl" ranks candidates by mean KL(full || reused) over the answer; "hard" by the
     share of direct reuse's divergence they leave at reuse's hardest quarter of answer positions.
+    inputs: requests to calibrate on instead of generated needles (`qa_inputs`; `lengths`,
+    `samples` and `seed` are then unused); the profile's length is their median prompt length,
+    and `source` (what they are, e.g. a file and its question range) is kept in its record.
 
     Returns (profile, every layer candidate's scores, best first, then the aggregation variants
     of the best layers).
@@ -158,18 +188,20 @@ def measure_pair(
         raise ValueError(f"criterion must be one of {list(CRITERIA)}, got {criterion!r}")
     rank = (lambda c: c.kl) if criterion == "kl" else (lambda c: c.left_at_hard)  # noqa: E731
     n_aux = engine.aux.lm.num_layers
-    data, seeds = [], []
-    with tqdm(total=len(lengths) * samples, desc="calibration inputs", unit="input", disable=not progress) as bar:
-        for length in lengths:
-            for i in range(samples):
-                s = seed + 1000 * length + i
-                seeds.append(s)
-                sample = _prepare(engine, VARIANTS[i % len(VARIANTS)], length, s, answer_tokens)
-                if sample is not None:
-                    data.append(sample)
-                bar.update()
+    seeds = [] if inputs is not None else [seed + 1000 * length + i for length in lengths for i in range(samples)]
+    if inputs is None:
+        tokenizer = engine.primary.lm.tokenizer
+        inputs = [needle_input(VARIANTS[i % len(VARIANTS)], length, seed + 1000 * length + i, tokenizer)
+                  for length in lengths for i in range(samples)]
+    elif not inputs:
+        raise ValueError("no calibration inputs given")
+    prepared = (_prepare(engine, x, answer_tokens) for x in tqdm(inputs, desc="calibration inputs", unit="input",
+                                                                  disable=not progress))
+    data = [d for d in prepared if d is not None]
     if not data:
         raise ValueError("no calibration sample gave an answer to calibrate against")
+    if not seeds:
+        lengths = (round(statistics.median(d.ref.layout.num_tokens for d in data)),)
 
     window, tau = engine.config.select.window, engine.config.select.tau
     bar = tqdm(total=n_aux, desc="calibration candidates", unit="candidate", disable=not progress)
@@ -212,6 +244,8 @@ def measure_pair(
         "candidates": len(layer_scores) + len(variants),
         "ratio": ratio,
         "seeds": seeds,
+        "inputs": source or ("generated needles" if seeds else f"{len(inputs)} given requests"),
+        "answered": len(data),
     }
     profile = Profile(
         primary=engine.primary.lm.fingerprint, aux=engine.aux.lm.fingerprint, aux_layers=chosen.layers,
@@ -274,10 +308,9 @@ def _share_for(scores: list[list[torch.Tensor]], ratio: float, floor: float, cap
 
 
 @torch.inference_mode()
-def _prepare(engine: CacheClipEngine, variant: str, length: int, seed: int, answer_tokens: int) -> _Sample | None:
+def _prepare(engine: CacheClipEngine, sample: CalibrationInput, answer_tokens: int) -> _Sample | None:
     primary, aux = engine.primary, engine.aux
-    sample = generate(variant, length, seed, primary.lm.tokenizer)
-    ids = engine.ingest([sample.context], progress=False)
+    ids = engine.ingest(sample.documents, progress=False, split=sample.split)
     ref = reference(engine, sample.question, ids, answer_tokens)
     if ref is None:
         return None
