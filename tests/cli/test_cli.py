@@ -324,6 +324,14 @@ def test_bench_qa_resumes_its_results_file_and_eval_runs_the_shipped_questions(f
     assert "--indices chooses the questions of --diagnose" in capsys.readouterr().err
     assert main(["eval", "--limit", "1", "--modes", "reuse", "--max-new-tokens", "2", *_args(folders, tmp_path / "e")]) == 0
     assert "F1 %full" in capsys.readouterr().out
+    # the journal pooled without a model: the same table, and a tagged copy paired with it
+    assert main(["bench", "qa", "--from", str(results), f"again={results}", "--offset", "1", "--versus", "again/cacheclip@0.2"]) == 0
+    printed = capsys.readouterr().out
+    assert "again/cacheclip@0.2" in printed and re.search(r"again/cacheclip@0.2 +cacheclip@0.2 +2 +\+0\.0", printed), printed
+    assert main(["bench", "qa", "--from", str(results), "--offset", "5"]) == 2
+    assert "no saved rows of questions 5.." in capsys.readouterr().err
+    assert main(["bench", "qa"]) == 2
+    assert "needs --data FILE" in capsys.readouterr().err
 
 
 def test_store_stats_names_the_shipped_profiles_of_an_embedded_pair():

@@ -148,6 +148,40 @@ def test_a_resumed_run_continues_from_its_journal_and_gives_the_same_table(tiny_
         qa.versus(whole, rows, "x")
 
 
+def _row(index, mode, ratio, answer, f1):
+    return qa.QAResult(index=index, id=str(index), mode=mode, ratio=ratio, prediction=answer, answer=answer, f1=f1,
+                       em=float(f1 == 1.0), rouge_l=f1, contains=f1, agreement=1.0 if mode == "full" else 0.5,
+                       ttft=1.0, ttft_vs_full=1.0, effective_fraction=ratio, prompt_tokens=10)
+
+
+def test_load_pools_qa_runs_and_tags_a_run_of_another_profile(tmp_path):
+    """`bench qa --from`: journals and JSON pooled by question; a shared full answer kept once, a
+    question answered twice differently refused; TAG=PATH sets a run beside, paired by question."""
+    from dataclasses import asdict
+
+    header = {"data": "musique_s.json"}
+    needle_profile = Journal(tmp_path / "a.jsonl", header)
+    for row in (_row(0, "full", 1.0, "exeter", 1.0), _row(0, "cacheclip", 0.2, "oxford", 0.0),
+                _row(1, "full", 1.0, "4721", 1.0), _row(1, "cacheclip", 0.2, "4721", 1.0)):
+        needle_profile.append(asdict(row))
+    other = [_row(0, "full", 1.0, "exeter", 1.0), _row(0, "cacheclip", 0.2, "exeter", 1.0),
+             _row(1, "full", 1.0, "4721", 1.0), _row(1, "cacheclip", 0.2, "4721", 1.0)]
+    qa.write_json(other, qa.summarize(other), tmp_path / "b.json")
+    pooled = qa.load([tmp_path / "a.jsonl", f"qa={tmp_path / 'b.json'}"])
+    rows = {r["label"]: r for r in qa.summarize(pooled)}
+    assert set(rows) == {"full", "cacheclip@0.2", "qa/full", "qa/cacheclip@0.2"}
+    assert rows["qa/cacheclip@0.2"]["pct_of_full"] == pytest.approx(100.0)  # against the untagged full
+    assert rows["cacheclip@0.2"]["pct_of_full"] == pytest.approx(50.0)
+    (pair,) = [p for p in qa.versus(pooled, list(rows.values()), "qa/cacheclip@0.2") if p["other"] == "cacheclip@0.2"]
+    assert pair["samples"] == 2 and pair["diff"] == pytest.approx(0.5)
+    assert len(qa.load([tmp_path / "a.jsonl", tmp_path / "a.jsonl"])) == 4  # the same rows twice: kept once
+    with pytest.raises(ValueError, match=r"b.json: sample \(0, 'cacheclip', 0.2\) is also in .*a.jsonl with another"):
+        qa.load([tmp_path / "a.jsonl", tmp_path / "b.json"])
+    (tmp_path / "c.json").write_text('{"summary": []}')
+    with pytest.raises(ValueError, match="c.json: not a QA bench journal or JSON"):
+        qa.load([tmp_path / "c.json"])
+
+
 def test_the_diagnosis_measures_each_mode_against_full_attention_and_its_attention_oracle(tiny_pair, tmp_path):
     from cacheclip_rag.eval import qa_diagnose
 

@@ -350,9 +350,13 @@ def _bench_qa(args) -> int:
     the table, paired differences of F1 and of agreement with full attention, and the frontier."""
     from dataclasses import asdict
 
-    from ..eval import frontier, needle, qa, qa_data
+    from ..eval import qa, qa_data
 
     _header(args)
+    if args.from_json:
+        return _qa_tables(args, _qa_pooled(args))
+    if args.data is None:
+        raise ValueError("bench qa needs --data FILE (the questions to run) or --from JOURNAL ... (runs to pool)")
     data = qa_data.load(args.data, args.format)
     if args.offset < 0 or args.offset >= len(data.examples):
         raise ValueError(f"--offset must be in [0, {len(data.examples)}) for the {len(data.examples)} questions of "
@@ -381,6 +385,26 @@ def _bench_qa(args) -> int:
                        prompt=asdict(engine.config.prompt))
     results = qa.run(engine, examples, modes, max_new_tokens=args.max_new_tokens, offset=args.offset,
                      journal=journal, progress=progress_bar(len(examples), "questions", "question"))
+    return _qa_tables(args, results)
+
+
+def _qa_pooled(args) -> list:
+    """`bench qa --from`: the saved rows of the questions --offset / --limit choose."""
+    from ..eval import qa
+
+    if args.diagnose:
+        raise ValueError("--diagnose measures; it does not pool saved runs (--from)")
+    end = args.offset + args.limit if args.limit else float("inf")
+    results = [r for r in qa.load(args.from_json) if args.offset <= r.index < end]
+    if not results:
+        raise ValueError(f"no saved rows of questions {args.offset}..{end - 1} in {args.from_json}")
+    return results
+
+
+def _qa_tables(args, results) -> int:
+    """`bench qa`'s tables of measured or pooled rows: the modes, paired differences, the frontier."""
+    from ..eval import frontier, needle, qa
+
     rows = qa.summarize(results)
     print(qa.table(rows))
     labels = args.versus or [r["label"] for r in rows if r["mode"] == "cacheclip"]
@@ -397,7 +421,8 @@ def _bench_qa(args) -> int:
             print("\n" + frontier.table(pts, budget, None, metric))
         print("\n" + frontier.reach_table(pts))
         if args.plot:
-            frontier.plot(pts, args.plot, args.budget_ttft[0], f"QA: {Path(args.data).name}", metric)
+            title = f"QA: {Path(args.data).name}" if args.data and not args.from_json else "QA: pooled runs"
+            frontier.plot(pts, args.plot, args.budget_ttft[0], title, metric)
     if args.json:
         qa.write_json(results, rows, args.json, pairs)
     return 0
@@ -547,6 +572,12 @@ def _frontier_flags(p) -> None:
     p.add_argument("--budget-ttft", type=float, default=0.25, help="the TTFT / full budget the frontier is read at")
 
 
+def _from_flag(p, disjoint: str) -> None:
+    p.add_argument("--from", dest="from_json", nargs="+", default=None, metavar="JSON",
+                   help=f"pool these saved runs or journals ({disjoint}, or other modes on the same samples) instead "
+                        "of running; TAG=JSON puts a run under a tag (tuned=run.json: rows tuned/full, ...)")
+
+
 def _results_flag(p) -> None:
     p.add_argument("--results", default=None, metavar="JSONL",
                    help="write each row here as it is measured; the same command with the same file resumes there "
@@ -570,9 +601,7 @@ def add_commands(sub) -> None:
     _frontier_flags(p)
     _versus_flag(p, "the cacheclip rows")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--from", dest="from_json", nargs="+", default=None, metavar="JSON",
-                   help="pool these saved runs (disjoint seeds, or other modes on the same samples) instead of "
-                        "running; TAG=JSON puts a run under a tag (tuned=run.json: rows tuned/full, ...)")
+    _from_flag(p, "disjoint seeds")
     p.add_argument("--ttft-from", default=None, metavar="JSON",
                    help="place the frontier's points at the TTFT / full of this `bench ttft --json` run (one on an "
                         "idle CPU) instead of the samples' own")
@@ -718,7 +747,7 @@ def add_commands(sub) -> None:
 
 def _qa_flags(p, data: str | None) -> None:
     add_common(p, store_default=str(cache_dir() / "qa-store"))
-    p.add_argument("--data", "--dataset", dest="data", required=data is None, default=data,
+    p.add_argument("--data", "--dataset", dest="data", default=data,
                    help="the QA file: CacheBlend's inputs/musique_s.json (github.com/YaoJiayi/CacheBlend), a LongBench "
                         "2wikimqa / hotpotqa / musique .jsonl, or {question, contexts, answers} lines")
     p.add_argument("--format", choices=["auto", "cacheblend", "longbench", "jsonl"], default="auto")
@@ -740,4 +769,5 @@ def _qa_flags(p, data: str | None) -> None:
                    "attention on full's own answer, the primary's attention its rows hold, the gold passages' recompute")
     p.add_argument("--indices", type=int, nargs="+", default=None, help="with --diagnose: these questions (0-based)")
     _results_flag(p)
+    _from_flag(p, "other questions")
     _out_flags(p, "the frontier at the first budget")

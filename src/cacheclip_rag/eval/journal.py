@@ -13,10 +13,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Journal:
@@ -70,6 +73,39 @@ def read_rows(path: str | Path) -> list[dict] | None:
     if not lines or _header(lines[0]) is None:
         return None
     return _rows(lines, path)[0]
+
+
+def pool(specs: Iterable[str | Path], read: Callable[[str], list[T]], tagged: Callable[[T, str], T],
+         key: Callable[[T], tuple], outcome: Callable[[T], tuple], what: str) -> list[T]:
+    """The rows of saved runs pooled: runs on disjoint samples, or other modes on the same ones.
+    A key seen twice is kept once when both runs gave the same outcome (full attention, which every
+    bench runs) and is an error when they differ, as the pool would count it twice.
+
+    "TAG=PATH" puts a run's modes under a tag (`tagged(row, tag)`: "tuned/full"), so a run of
+    another model or profile on the same samples sits beside the untagged run, whose `full` stays
+    the reference. read(path): the run's rows (raises OSError, ValueError, KeyError or TypeError
+    when the file is not one: named with `what`, the kind of run expected)."""
+    rows: list[T] = []
+    seen: dict[tuple, tuple[str, T]] = {}
+    for spec in specs:
+        tag, _, path = str(spec).rpartition("=")
+        if tag and ("/" in tag or not tag.strip()):
+            raise ValueError(f"{spec}: a tag is a name without '/', as in tuned=run.json")
+        try:
+            loaded = [tagged(r, tag) for r in read(path)] if tag else read(path)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{path}: not {what}: {err}") from err
+        for r in loaded:
+            k = key(r)
+            if k in seen:
+                first_path, first = seen[k]
+                if outcome(first) != outcome(r):
+                    raise ValueError(f"{path}: sample {k} is also in {first_path} with another answer "
+                                     f"({outcome(r)[0]!r} vs {outcome(first)[0]!r}); pool runs with disjoint samples")
+                continue
+            seen[k] = (str(path), r)
+            rows.append(r)
+    return rows
 
 
 def _header(line: str) -> dict | None:

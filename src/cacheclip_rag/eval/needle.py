@@ -20,7 +20,7 @@ from pathlib import Path
 from ..engine import CacheClipEngine
 from ..offline.niah import VARIANTS, NeedleSample, generate, score
 from ..request import selector as registry
-from .journal import Journal, read_rows
+from .journal import Journal, pool, read_rows
 from .stats import bootstrap_interval, mean_of_means, nanmean
 
 log = logging.getLogger(__name__)
@@ -373,33 +373,9 @@ def _saved_samples(path: str | Path) -> list[dict]:
 
 def load(paths: list[str | Path]) -> list[NeedleResult]:
     """Pool the per-sample rows of saved runs (`write_json` files or --results journals), e.g. runs on disjoint seeds, or
-    runs of other modes on the same samples. A (length, variant, seed, mode, ratio) seen twice is
-    kept once when both gave the same answer (full attention, run by every bench) and is an error
-    when they differ, as pooling would then count one sample twice with two results.
-
-    "TAG=PATH" puts a run's modes under a tag ("tuned/full"), so runs of another model on the same
-    samples sit beside the untagged run, whose `full` stays the reference of every row."""
-    results: list[NeedleResult] = []
-    seen: dict[tuple, tuple[str, NeedleResult]] = {}
-    for spec in paths:
-        tag, _, path = str(spec).rpartition("=")
-        if tag and ("/" in tag or not tag.strip()):
-            raise ValueError(f"{spec}: a tag is a name without '/', as in tuned=run.json")
-        try:
-            loaded = [NeedleResult(**d) for d in _saved_samples(path)]
-            if tag:
-                loaded = [replace(r, mode=f"{tag}/{r.mode}") for r in loaded]
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"{path}: not a needle bench JSON or journal (expected 'samples' of needle results, "
-                             f"or a journal's rows): {err}") from err
-        for r in loaded:
-            key = (r.length, r.variant, r.seed, r.mode, r.ratio)
-            if key in seen:
-                first_path, first = seen[key]
-                if (first.answer, first.score) != (r.answer, r.score):
-                    raise ValueError(f"{path}: sample {key} is also in {first_path} with another answer "
-                                     f"({r.answer!r} vs {first.answer!r}); pool runs with disjoint seeds")
-                continue
-            seen[key] = (str(path), r)
-            results.append(r)
-    return results
+    runs of other modes on the same samples; "TAG=PATH" puts a run's modes under a tag ("tuned/full")
+    beside the untagged run, whose `full` stays the reference of every row (`journal.pool`)."""
+    return pool(paths, lambda path: [NeedleResult(**d) for d in _saved_samples(path)],
+                lambda r, tag: replace(r, mode=f"{tag}/{r.mode}"),
+                lambda r: (r.length, r.variant, r.seed, r.mode, r.ratio), lambda r: (r.answer, r.score),
+                "a needle bench JSON or journal (expected 'samples' of needle results, or a journal's rows)")

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..engine import CacheClipEngine
-from .journal import Journal
+from .journal import Journal, pool, read_rows
 from .metrics import best_of, exact_match, normalize, rouge_l, token_f1
 from .needle import label, ratio_order, request_for, uses_packets, with_full
 from .qa_data import QAExample
@@ -99,6 +99,20 @@ def run(
             progress(f"question {index}")
     wanted = range(offset, offset + len(examples))
     return [r for r in results if r.index in wanted and (r.mode, r.ratio) in modes]
+
+
+def load(paths: list[str | Path]) -> list[QAResult]:
+    """Pool the rows of saved QA runs (--results journals or `write_json` files): runs on other
+    questions, or other modes on the same ones; "TAG=PATH" puts a run's modes under a tag beside
+    the untagged run (another profile or model: "qa/cacheclip@0.2"), whose `full` stays the
+    reference of % of full (a tagged row's agreement is against its own run's full answer)."""
+    def read(path: str) -> list[QAResult]:
+        rows = read_rows(path)
+        rows = rows if rows is not None else json.loads(Path(path).read_text(encoding="utf-8"))["examples"]
+        return [QAResult(**row) for row in rows]
+
+    return pool(paths, read, lambda r, tag: replace(r, mode=f"{tag}/{r.mode}"), lambda r: (r.index, r.mode, r.ratio),
+                lambda r: (r.answer, r.f1), "a QA bench journal or JSON (expected a journal's rows, or 'examples')")
 
 
 def passage_spans(engine: CacheClipEngine, ex: QAExample, ids: list[str]) -> list[tuple[int, int, bool]]:
