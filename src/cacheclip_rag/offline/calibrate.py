@@ -1,4 +1,4 @@
-"""Calibrate how the aux model scores tokens for a model pair, on generated inputs.
+"""Calibrate how the aux model scores tokens for a model pair, on generated inputs or the user's questions.
 
 Calibration inputs are needle-style samples whose seeds are disjoint from every evaluation seed,
 or questions of the user's own QA file (`qa_inputs`: its passages as chunks, its question under
@@ -188,11 +188,11 @@ def measure_pair(
         raise ValueError(f"criterion must be one of {list(CRITERIA)}, got {criterion!r}")
     rank = (lambda c: c.kl) if criterion == "kl" else (lambda c: c.left_at_hard)  # noqa: E731
     n_aux = engine.aux.lm.num_layers
-    seeds = [] if inputs is not None else [seed + 1000 * length + i for length in lengths for i in range(samples)]
+    seeds = []
     if inputs is None:
-        tokenizer = engine.primary.lm.tokenizer
-        inputs = [needle_input(VARIANTS[i % len(VARIANTS)], length, seed + 1000 * length + i, tokenizer)
-                  for length in lengths for i in range(samples)]
+        plan = [(VARIANTS[i % len(VARIANTS)], length, seed + 1000 * length + i) for length in lengths for i in range(samples)]
+        seeds = [s for _, _, s in plan]
+        inputs = [needle_input(*p, engine.primary.lm.tokenizer) for p in plan]
     elif not inputs:
         raise ValueError("no calibration inputs given")
     prepared = (_prepare(engine, x, answer_tokens) for x in tqdm(inputs, desc="calibration inputs", unit="input",
