@@ -9,6 +9,7 @@ from pathlib import Path
 from ..config import AUTO, ChunkConfig, EngineConfig
 from ..config import IndexConfig as IndexConfigDefaults
 from ..eval import oracle  # noqa: F401  (registers the analysis-only oracle mode for bench and ask)
+from ..eval.qa_data import FORMATS as QA_FORMATS
 from ..hardware import describe as describe_cpu
 from ..paths import cache_dir
 from ..request import selector as registry
@@ -750,7 +751,7 @@ def _qa_flags(p, data: str | None) -> None:
     p.add_argument("--data", "--dataset", dest="data", default=data,
                    help="the QA file: CacheBlend's inputs/musique_s.json (github.com/YaoJiayi/CacheBlend), a LongBench "
                         "2wikimqa / hotpotqa / musique .jsonl, or {question, contexts, answers} lines")
-    p.add_argument("--format", choices=["auto", "cacheblend", "longbench", "jsonl"], default="auto")
+    p.add_argument("--format", choices=list(QA_FORMATS), default="auto")
     p.add_argument("--prompt", choices=["dataset", "engine"], default="dataset",
                    help="dataset: the instruction of the dataset's own harness; engine: the engine's default prompt")
     p.add_argument("--score-layers", type=int, nargs="+", default=None, help="aux scoring layers (default: profile or last)")

@@ -112,9 +112,15 @@ class CalibrationInput:
     split: bool = True
 
 
-def needle_input(variant: str, length: int, seed: int, tokenizer) -> CalibrationInput:
-    """A generated needle sample of about `length` tokens (`offline.niah`)."""
-    sample = generate(variant, length, seed, tokenizer)
+def needle_seed(seed: int, length: int, i: int) -> int:
+    """The seed of the i-th generated calibration input at `length` tokens, from a run's first seed."""
+    return seed + 1000 * length + i
+
+
+def needle_input(length: int, seed: int, i: int, tokenizer) -> CalibrationInput:
+    """The i-th generated needle input of about `length` tokens (`offline.niah`; the variants in
+    turn), for the run whose first seed is `seed`."""
+    sample = generate(VARIANTS[i % len(VARIANTS)], length, needle_seed(seed, length, i), tokenizer)
     return CalibrationInput(sample.question, [sample.context])
 
 
@@ -188,19 +194,19 @@ def measure_pair(
         raise ValueError(f"criterion must be one of {list(CRITERIA)}, got {criterion!r}")
     rank = (lambda c: c.kl) if criterion == "kl" else (lambda c: c.left_at_hard)  # noqa: E731
     n_aux = engine.aux.lm.num_layers
-    seeds = []
-    if inputs is None:
-        plan = [(VARIANTS[i % len(VARIANTS)], length, seed + 1000 * length + i) for length in lengths for i in range(samples)]
-        seeds = [s for _, _, s in plan]
-        inputs = [needle_input(*p, engine.primary.lm.tokenizer) for p in plan]
-    elif not inputs:
+    given = inputs is not None
+    if given and not inputs:
         raise ValueError("no calibration inputs given")
+    plan = [] if given else [(length, i) for length in lengths for i in range(samples)]
+    seeds = [needle_seed(seed, length, i) for length, i in plan]
+    if not given:
+        inputs = [needle_input(length, seed, i, engine.primary.lm.tokenizer) for length, i in plan]
     prepared = (_prepare(engine, x, answer_tokens) for x in tqdm(inputs, desc="calibration inputs", unit="input",
                                                                   disable=not progress))
     data = [d for d in prepared if d is not None]
     if not data:
         raise ValueError("no calibration sample gave an answer to calibrate against")
-    if not seeds:
+    if given:
         lengths = (round(statistics.median(d.ref.layout.num_tokens for d in data)),)
 
     window, tau = engine.config.select.window, engine.config.select.tau
@@ -244,7 +250,7 @@ def measure_pair(
         "candidates": len(layer_scores) + len(variants),
         "ratio": ratio,
         "seeds": seeds,
-        "inputs": source or ("generated needles" if seeds else f"{len(inputs)} given requests"),
+        "inputs": source or (f"{len(inputs)} given requests" if given else "generated needles"),
         "answered": len(data),
     }
     profile = Profile(
@@ -278,8 +284,8 @@ def calibrate_share(engine: CacheClipEngine, lengths: tuple[int, ...] = (2048,),
                 raise ValueError(f"no calibrated profile for this pair near {length} tokens: run `cacheclip calibrate` first")
             scores, cfg = [], None
             for i in tqdm(range(samples), desc=f"auto share at {length}", disable=not progress):
-                sample = generate(VARIANTS[i % len(VARIANTS)], length, seed + 1000 * length + i, work.primary.lm.tokenizer)
-                ids = work.ingest([sample.context], progress=False)
+                sample = needle_input(length, seed, i, work.primary.lm.tokenizer)
+                ids = work.ingest(sample.documents, progress=False, split=sample.split)
                 prepared = work.prepare(sample.question, ids, recompute_ratio=ratio)
                 # scored as the calibrated engine would (the scratch engine's store has no profile)
                 select = engine.profiles.settings(prepared.layout.num_tokens)
