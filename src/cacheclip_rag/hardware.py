@@ -22,17 +22,23 @@ BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 """x86 CPU flags (as /proc/cpuinfo spells them) that mean native bf16 arithmetic."""
 
 
-def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
-    """The CPU feature flags of the first processor listed; empty where the file is unreadable."""
+def _cpuinfo(fields: tuple[str, ...], cpuinfo: str | Path) -> str | None:
+    """The first processor's value of the first of `fields` listed; None where the file is
+    unreadable or has none of them."""
     try:
         text = Path(cpuinfo).read_text()
     except OSError:
-        return frozenset()
+        return None
     for line in text.splitlines():
         name, _, value = line.partition(":")
-        if name.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+        if name.strip() in fields:
+            return value.strip()
+    return None
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU feature flags of the first processor listed; empty where the file is unreadable."""
+    return frozenset((_cpuinfo(("flags", "Features"), cpuinfo) or "").split())
 
 
 def native_bf16(device: str | torch.device = "cpu", flags: frozenset[str] | None = None) -> bool:
@@ -74,3 +80,13 @@ def describe(flags: frozenset[str] | None = None) -> str:
     flags = cpu_flags() if flags is None else flags
     present = [f for f in (*BF16_CPU_FLAGS, "avx512f", "avx2") if f in flags]
     return f"CPU flags: {' '.join(present) or 'none of avx2/avx512f/avx512_bf16/amx_bf16'}; native bf16: {native_bf16('cpu', flags)}"
+
+
+def machine(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """What a measured row was measured on, for journals: the CPU model, its bf16-relevant flags
+    and torch's thread count ("AMD EPYC; CPU flags: avx512_bf16 avx512f avx2; native bf16: True;
+    2 threads"), and the GPU where CUDA is available. Rows of one machine compare; times across
+    machines do not."""
+    model = _cpuinfo(("model name", "Model", "Hardware"), cpuinfo) or "unknown CPU"
+    gpu = f"; GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
+    return f"{model}; {describe(cpu_flags(cpuinfo))}; {torch.get_num_threads()} threads{gpu}"

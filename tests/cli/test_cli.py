@@ -300,14 +300,15 @@ def test_bench_qa_resumes_its_results_file_and_eval_runs_the_shipped_questions(f
     base = ["bench", "qa", "--data", str(data), "--modes", "reuse", "cacheclip", "--ratios", "0.2", "0.5",
             "--max-new-tokens", "2", "--results", str(results), *_args(folders, tmp_path / "s")]
     assert main([*base, "--limit", "1"]) == 0
-    assert len(results.read_text().splitlines()) == 1 + 4  # header, then full, reuse and cacheclip at two ratios
+    lines = results.read_text().splitlines()  # header, the machine, then full, reuse and cacheclip at two ratios
+    assert len(lines) == 2 + 4 and json.loads(lines[1])["machine"].endswith("threads")
     capsys.readouterr()
     assert main([*base, "--offset", "1", "--frontier", "--json", str(out)]) == 0  # the rest, and the table of all
     printed = capsys.readouterr().out
     assert "resuming" in printed and "(4 rows)" in printed and "agree" in printed
     assert "Paired differences of agreement with full attention's answer" in printed
     assert "score at TTFT <= 0.25 of full" in printed and "score at TTFT <= 0.3 of full" in printed
-    assert len(results.read_text().splitlines()) == 1 + 3 * 4
+    assert len(results.read_text().splitlines()) == 2 + 3 * 4  # resumed on the same machine: no second line
     assert {r["index"] for r in json.loads(out.read_text())["examples"]} == {1, 2}  # the run's own questions
     capsys.readouterr()
     assert main([*base, "--max-new-tokens", "3"]) == 2  # the last --max-new-tokens counts
@@ -328,6 +329,7 @@ def test_bench_qa_resumes_its_results_file_and_eval_runs_the_shipped_questions(f
     assert main(["bench", "qa", "--from", str(results), f"again={results}", "--offset", "1", "--versus", "again/cacheclip@0.2"]) == 0
     printed = capsys.readouterr().out
     assert "again/cacheclip@0.2" in printed and re.search(r"again/cacheclip@0.2 +cacheclip@0.2 +2 +\+0\.0", printed), printed
+    assert f"{results}: 12 rows, " in printed and "threads" in printed  # which machine measured the pooled rows
     assert main(["bench", "qa", "--from", str(results), "--offset", "5"]) == 2
     assert "no saved rows of questions 5.." in capsys.readouterr().err
     assert main(["bench", "qa"]) == 2

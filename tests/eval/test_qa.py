@@ -8,7 +8,7 @@ from conftest import CORPUS
 from cacheclip_rag.config import ChunkConfig, EngineConfig
 from cacheclip_rag.engine import CacheClipEngine
 from cacheclip_rag.eval import qa, qa_data
-from cacheclip_rag.eval.journal import Journal
+from cacheclip_rag.eval.journal import Journal, machines, provenance, read_rows
 from cacheclip_rag.eval.metrics import exact_match, token_f1
 
 CACHEBLEND = [
@@ -104,6 +104,25 @@ def test_journal_refuses_another_run_and_drops_a_torn_last_row(tmp_path):
     (tmp_path / "other.jsonl").write_text('{"x": 1}\n')
     with pytest.raises(ValueError, match="not a bench journal"):
         Journal(tmp_path / "other.jsonl", {})
+
+
+def test_a_journal_resumed_on_another_machine_says_which_rows_each_measured(tmp_path):
+    path, header = tmp_path / "r.jsonl", {"primary": "a"}
+    old = Journal(path, header)  # a journal of an earlier version: no machine line
+    old.append({"index": 0, "mode": "full", "ratio": 1.0})
+    first = Journal(path, header, machine="Xeon; 2 threads")
+    first.append({"index": 1, "mode": "full", "ratio": 1.0})
+    first.append({"index": 2, "mode": "full", "ratio": 1.0})
+    again = Journal(path, header, machine="Xeon; 2 threads")  # the same machine: no second line
+    again.append({"index": 3, "mode": "full", "ratio": 1.0})
+    other = Journal(path, header, machine="EPYC; 1 threads")
+    assert len(other.rows) == 4 and [r["index"] for r in read_rows(path)] == [0, 1, 2, 3]
+    other.append({"index": 4, "mode": "full", "ratio": 1.0})
+    assert machines(path) == [(None, 1), ("Xeon; 2 threads", 3), ("EPYC; 1 threads", 1)]
+    assert path.read_text().count('"machine"') == 2
+    said = provenance([f"tag={path}", tmp_path / "saved.json"])
+    assert f"{path}: 3 rows, Xeon; 2 threads" in said and f"{path}: 1 rows, EPYC; 1 threads" in said
+    assert f"{path}: 1 rows, machine not recorded" in said and "saved.json: a saved run" in said
 
 
 def _engine(tiny_pair, store, prompt):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cacheclip_rag.config import ModelConfig
-from cacheclip_rag.hardware import cpu_flags, describe, native_bf16, resolve_dtype
+from cacheclip_rag.hardware import cpu_flags, describe, machine, native_bf16, resolve_dtype
 
 AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512_vnni"}
@@ -36,6 +36,15 @@ def test_cpu_flags_parse_cpuinfo(tmp_path):
     assert cpu_flags(tmp_path / "missing") == frozenset()
     assert native_bf16("cpu", cpu_flags(info)) and not native_bf16("cpu", AVX2)
     assert "native bf16: False" in describe(AVX2)
+
+
+def test_machine_names_the_cpu_its_bf16_flags_and_threads(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    said = machine(info)
+    assert said.startswith("AMD EPYC; CPU flags: avx512_bf16 avx512f avx2; native bf16: True; ")
+    assert f"{torch.get_num_threads()} threads" in said
+    assert machine(tmp_path / "missing").startswith("unknown CPU; CPU flags: none of")
 
 
 # ----- device per role (the paper's placement: primary on the GPU, aux on the CPU) ------------

@@ -10,7 +10,7 @@ from ..config import AUTO, ChunkConfig, EngineConfig
 from ..config import IndexConfig as IndexConfigDefaults
 from ..eval import oracle  # noqa: F401  (registers the analysis-only oracle mode for bench and ask)
 from ..eval.qa_data import FORMATS as QA_FORMATS
-from ..hardware import describe as describe_cpu
+from ..hardware import describe as describe_cpu, machine
 from ..paths import cache_dir
 from ..request import selector as registry
 from ..request.options import ratio_arg
@@ -268,11 +268,13 @@ def _bench_fidelity(args) -> int:
 def _bench_niah(args) -> int:
     """Run the needle suite, or pool saved runs (--from), and print the tables."""
     from ..eval import needle
+    from ..eval.journal import provenance
 
     _header(args)
     args.ratios = args.ratios or (FRONTIER_RATIOS if args.frontier else [0.2])
     if args.from_json:
         results = needle.load(args.from_json)
+        print(provenance(args.from_json))
     else:
         engine = _engine(args)
         default = FRONTIER_MODES if args.frontier else ["full", "reuse", "ape", "cacheblend", "epic", "random", "cacheclip"]
@@ -309,7 +311,7 @@ def _journal(args, engine, **settings):
     header = {"primary": args.primary, "aux": args.aux, "dtype": str(ModelConfig(dtype=args.dtype).torch_dtype()),
               "kv_dtype": args.kv_dtype, "kv_codec": engine.primary.codec, "aux_kv_codec": engine.aux.codec,
               "max_new_tokens": args.max_new_tokens, "score_layers": args.score_layers, **settings}
-    journal = Journal(args.results, header)
+    journal = Journal(args.results, header, machine=machine())
     print(f"resuming {args.results} ({len(journal.rows)} rows)" if journal.rows else f"rows go to {args.results}")
     return journal
 
@@ -392,11 +394,13 @@ def _bench_qa(args) -> int:
 def _qa_pooled(args) -> list:
     """`bench qa --from`: the saved rows of the questions --offset / --limit choose."""
     from ..eval import qa
+    from ..eval.journal import provenance
 
     if args.diagnose:
         raise ValueError("--diagnose measures; it does not pool saved runs (--from)")
     end = args.offset + args.limit if args.limit else float("inf")
     results = [r for r in qa.load(args.from_json) if args.offset <= r.index < end]
+    print(provenance(args.from_json))
     if not results:
         raise ValueError(f"no saved rows of questions {args.offset}..{end - 1} in {args.from_json}")
     return results

@@ -6,6 +6,11 @@ to disk before the bench goes on. Run the same command with the same journal and
 the file already holds; a journal whose header differs from the run's is refused by name, as
 its rows would answer another question. A last line cut off by a kill mid-write is dropped (the
 row is measured again), with a warning.
+
+A journal resumed on another machine goes on: the rows that follow a `{"machine": ...}` line were
+measured there (written before the first row of a session whose machine is not the last one
+recorded), so a table pooled from journals of several machines can say which gave its rows
+(`machines`): their quality columns pool, their times do not.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ T = TypeVar("T")
 class Journal:
     """rows: what the file held when opened, then every row appended since."""
 
-    def __init__(self, path: str | Path, header: dict):
+    def __init__(self, path: str | Path, header: dict, machine: str | None = None):
         self.path = Path(path)
         self.header = dict(header)
+        self.machine = machine
         self.rows: list[dict] = []
+        self._last_machine: str | None = None
         if self.path.exists() and self.path.stat().st_size:
             self._read()
         else:
@@ -47,6 +54,8 @@ class Journal:
             raise ValueError(f"{self.path} holds another run ({shown}); resume it with the same settings "
                              "or give another --results path")
         self.rows, kept = _rows(lines, self.path)
+        marks = _machine_spans(lines[1:kept])
+        self._last_machine = marks[-1][0] if marks else None
         if kept != len(lines):
             self.path.write_text("\n".join(lines[:kept]) + "\n", encoding="utf-8")
 
@@ -57,6 +66,9 @@ class Journal:
             os.fsync(f.fileno())
 
     def append(self, row: dict) -> None:
+        if self.machine is not None and self.machine != self._last_machine:
+            self._write_line({"machine": self.machine})
+            self._last_machine = self.machine
         self._write_line(row)
         self.rows.append(row)
 
@@ -73,6 +85,29 @@ def read_rows(path: str | Path) -> list[dict] | None:
     if not lines or _header(lines[0]) is None:
         return None
     return _rows(lines, path)[0]
+
+
+def machines(path: str | Path) -> list[tuple[str | None, int]]:
+    """(machine, rows measured there) per stretch of a journal, in order; None for rows written
+    before any machine line (journals of earlier versions). [] for a file that is no journal."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    if not lines or _header(lines[0]) is None:
+        return []
+    return _machine_spans(lines[1:_rows(lines, path)[1]])
+
+
+def provenance(specs: Iterable[str | Path]) -> str:
+    """Which machine measured the rows of each pooled run ("TAG=PATH" specs as `pool` takes them),
+    a line per stretch: for a table's conditions when its rows come from several machines."""
+    lines = ["rows measured on:"]
+    for spec in specs:
+        path = str(spec).rpartition("=")[2]
+        spans = machines(path) if Path(path).is_file() else []
+        if not spans:
+            lines.append(f"  {path}: a saved run (machine not recorded)")
+        for where, n in spans:
+            lines.append(f"  {path}: {n} rows, {where or 'machine not recorded (a journal of an earlier version)'}")
+    return "\n".join(lines)
 
 
 def pool(specs: Iterable[str | Path], read: Callable[[str], list[T]], tagged: Callable[[T, str], T],
@@ -123,14 +158,32 @@ def _rows(lines: list[str], path: str | Path) -> tuple[list[dict], int]:
     rows, kept = [], 1
     for n, line in enumerate(lines[1:], 2):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
             kept = n
+            if not _machine_line(row):
+                rows.append(row)
         except json.JSONDecodeError:
             if n != len(lines):
                 raise ValueError(f"{path}:{n}: a damaged row before the last; the journal cannot be "
                                  "resumed safely") from None
             log.warning("%s:%d: dropping a row cut off mid-write; it is measured again", path, n)
     return rows, kept
+
+
+def _machine_line(obj) -> bool:
+    return isinstance(obj, dict) and set(obj) == {"machine"}
+
+
+def _machine_spans(lines: list[str]) -> list[tuple[str | None, int]]:
+    """Whole row lines (no header) grouped by the machine line before them."""
+    spans: list[tuple[str | None, int]] = [(None, 0)]
+    for line in lines:
+        obj = json.loads(line)
+        if _machine_line(obj):
+            spans.append((obj["machine"], 0))
+        else:
+            spans[-1] = (spans[-1][0], spans[-1][1] + 1)
+    return [span for span in spans if span[1]]
 
 
 def _hashable(value):
