@@ -118,6 +118,18 @@ def test_bench_niah_pools_saved_runs_without_loading_models(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "cacheclip@0.2                0.210" in printed  # placed at the TTFT run's ratio
     assert "first keeps >= 95% of full" in printed and "not by 0.2" in printed
+    # a journal of another machine beside the saved run: said, and the frontier's mixed TTFT named
+    from dataclasses import asdict
+
+    from cacheclip_rag.eval.journal import Journal
+
+    journal = Journal(tmp_path / "epyc.jsonl", {"primary": "p"}, machine="AMD EPYC; 1 threads")
+    for r in (row("full", 1.0, 2, 1.0), row("cacheclip", 0.2, 2, 1.0)):
+        journal.append(asdict(r))
+    assert main(["bench", "niah", "--from", str(out), str(journal.path), "--frontier", "--primary", "x"]) == 0
+    printed = capsys.readouterr().out
+    assert f"{journal.path}: 2 rows, AMD EPYC; 1 threads" in printed and "pooled.json: a saved run" in printed
+    assert "measured on more than one machine" in printed
     for flag in (["--from", str(out)], ["--versus", "cacheclip@0.2"]):  # each bench takes its own flags only
         with pytest.raises(SystemExit) as exit_:
             main(["bench", "ttft", *flag])

@@ -323,6 +323,16 @@ FIDELITY_FRONTIER_MODES = ["reuse", "epic", "random", "cacheclip", "prophetkv"]
 FRONTIER_RATIOS = [0.1, 0.2, 0.3, 0.4]
 
 
+def _warn_mixed_machines(args) -> None:
+    """A frontier pooled from rows of several machines places them at TTFT ratios of mixed CPUs:
+    say so, and what gives one machine's."""
+    from ..eval.journal import pooled_machines
+
+    if getattr(args, "from_json", None) and len(pooled_machines(args.from_json)) > 1:
+        print("\nnote: the pooled rows were measured on more than one machine (above), so the frontier's "
+              "TTFT / full averages CPUs; --ttft-from a `bench ttft --json` run places them at one machine's")
+
+
 def _print_frontier(args, rows: list[dict], bench: str) -> None:
     """Per length: each mode's score at the TTFT budget and the Pareto frontier (and a plot).
     bench: "niah" (% of full attention's score) or "fidelity" (KL to full attention)."""
@@ -332,6 +342,8 @@ def _print_frontier(args, rows: list[dict], bench: str) -> None:
                                 "fidelity": (fidelity.points, frontier.KL, "Fidelity")}[bench]
     if getattr(args, "ttft_from", None):
         rows = frontier.retime(rows, frontier.load_ttft(args.ttft_from), args.ttft_from)
+    else:
+        _warn_mixed_machines(args)
     for length in sorted({r["length"] for r in rows}):
         pts = to_points([r for r in rows if r["length"] == length])
         print("\n" + frontier.table(pts, args.budget_ttft, length, metric))
@@ -420,6 +432,7 @@ def _qa_tables(args, results) -> int:
             print(f"\nPaired differences of {what} on the same questions (x100; 95% bootstrap interval; W/L):")
             print(needle.versus_table(chosen))
     if args.frontier:
+        _warn_mixed_machines(args)
         pts = frontier.points(rows)
         metric = frontier.Metric("% of full attention's F1")
         for budget in args.budget_ttft:

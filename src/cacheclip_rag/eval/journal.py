@@ -96,6 +96,17 @@ def machines(path: str | Path) -> list[tuple[str | None, int]]:
     return _machine_spans(lines[1:_rows(lines, path)[1]])
 
 
+def pooled_machines(specs: Iterable[str | Path]) -> set[str | None]:
+    """The machines that measured the rows of these runs ("TAG=PATH" as `pool` takes them); None
+    stands for rows whose machine is not recorded (saved JSON runs, older journals)."""
+    found: set[str | None] = set()
+    for spec in specs:
+        path = str(spec).rpartition("=")[2]
+        spans = machines(path) if Path(path).is_file() else []
+        found |= {where for where, _ in spans} if spans else {None}
+    return found
+
+
 def provenance(specs: Iterable[str | Path]) -> str:
     """Which machine measured the rows of each pooled run ("TAG=PATH" specs as `pool` takes them),
     a line per stretch: for a table's conditions when its rows come from several machines."""
