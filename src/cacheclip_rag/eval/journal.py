@@ -99,12 +99,7 @@ def machines(path: str | Path) -> list[tuple[str | None, int]]:
 def pooled_machines(specs: Iterable[str | Path]) -> set[str | None]:
     """The machines that measured the rows of these runs ("TAG=PATH" as `pool` takes them); None
     stands for rows whose machine is not recorded (saved JSON runs, older journals)."""
-    found: set[str | None] = set()
-    for spec in specs:
-        path = str(spec).rpartition("=")[2]
-        spans = machines(path) if Path(path).is_file() else []
-        found |= {where for where, _ in spans} if spans else {None}
-    return found
+    return {where for spec in specs for where, _ in _spans_of(spec)[1] or [(None, 0)]}
 
 
 def provenance(specs: Iterable[str | Path]) -> str:
@@ -112,13 +107,18 @@ def provenance(specs: Iterable[str | Path]) -> str:
     a line per stretch: for a table's conditions when its rows come from several machines."""
     lines = ["rows measured on:"]
     for spec in specs:
-        path = str(spec).rpartition("=")[2]
-        spans = machines(path) if Path(path).is_file() else []
+        path, spans = _spans_of(spec)
         if not spans:
             lines.append(f"  {path}: a saved run (machine not recorded)")
         for where, n in spans:
             lines.append(f"  {path}: {n} rows, {where or 'machine not recorded (a journal of an earlier version)'}")
     return "\n".join(lines)
+
+
+def _spans_of(spec: str | Path) -> tuple[str, list[tuple[str | None, int]]]:
+    """A pooled run's path ("TAG=PATH" untagged) and its `machines` ([] where it is no journal)."""
+    path = str(spec).rpartition("=")[2]
+    return path, machines(path) if Path(path).is_file() else []
 
 
 def pool(specs: Iterable[str | Path], read: Callable[[str], list[T]], tagged: Callable[[T, str], T],
