@@ -117,6 +117,7 @@ def test_bench_niah_pools_saved_runs_without_loading_models(tmp_path, capsys):
     assert main(["bench", "niah", "--from", str(out), "--frontier", "--ttft-from", str(ttft), "--primary", "x"]) == 0
     printed = capsys.readouterr().out
     assert "cacheclip@0.2                0.210" in printed  # placed at the TTFT run's ratio
+    assert f"TTFT / full of {ttft} (machine not recorded)" in printed
     assert "first keeps >= 95% of full" in printed and "not by 0.2" in printed
     # a journal of another machine beside the saved run: said, and the frontier's mixed TTFT named
     from dataclasses import asdict

@@ -12,6 +12,7 @@ from cacheclip_rag.eval import (
     alignment,
     deviation,
     fidelity,
+    frontier,
     html,
     needle,
     plots,
@@ -257,8 +258,10 @@ def test_miniature_qa_and_ttft_runs(eng, tmp_path):
     assert [r.mode for r in trows] == ["full", "reuse", "cacheclip"] and trows[0].vs_full == 1.0
     assert len(steps) == ttft.requests([120], [("reuse", 0.0), ("cacheclip", 0.2)], runs=2) == 6
     assert steps[0].startswith("120 full: ")
-    ttft.write_json(trows, tmp_path / "t.json")
+    ttft.write_json(trows, tmp_path / "t.json", machine="AMD EPYC; 2 threads")
     written = json.loads((tmp_path / "t.json").read_text())
+    assert frontier.ttft_machine(tmp_path / "t.json") == "AMD EPYC; 2 threads"
+    assert frontier.load_ttft(tmp_path / "t.json")[(120, "cacheclip", 0.2)] == trows[2].vs_full
     assert [(r["mode"], r["ratio"]) for r in written] == [(r.mode, r.ratio) for r in trows]
     assert [r["ttft_median"] for r in written] == [r.ttft_median for r in trows] and written[0]["vs_full"] == 1.0
 

@@ -93,7 +93,7 @@ def _bench_ttft(args) -> int:
           f"{attention_path(engine.config.attention_backend, primary, engine.primary.lm.dtype)}")
     print(ttft.table(rows))
     if args.json:
-        ttft.write_json(rows, args.json)
+        ttft.write_json(rows, args.json, machine())
     if args.plot:
         ttft.plot(rows, args.plot)
     stats = engine.store.stats
@@ -342,6 +342,7 @@ def _print_frontier(args, rows: list[dict], bench: str) -> None:
                                 "fidelity": (fidelity.points, frontier.KL, "Fidelity")}[bench]
     if getattr(args, "ttft_from", None):
         rows = frontier.retime(rows, frontier.load_ttft(args.ttft_from), args.ttft_from)
+        print(f"\nthe frontier at the TTFT / full of {args.ttft_from} ({frontier.ttft_machine(args.ttft_from)})")
     else:
         _warn_mixed_machines(args)
     for length in sorted({r["length"] for r in rows}):

@@ -85,6 +85,13 @@ def load_ttft(path: str | Path) -> dict[tuple, float]:
                          f"vs_full): {err}") from err
 
 
+def ttft_machine(path: str | Path) -> str:
+    """The machine a `bench ttft --json` file was measured on, as its rows say (files written
+    before rows named it: "machine not recorded")."""
+    rows = json.loads(Path(path).read_text())
+    return next((r["machine"] for r in rows if isinstance(r, dict) and r.get("machine")), "machine not recorded")
+
+
 def retime(rows: list[dict], measured: dict[tuple, float], source: str = "the TTFT run") -> list[dict]:
     """Bench rows placed at the TTFT / full of another run (`load_ttft`: a `bench ttft` on an idle
     CPU, where the rows' own came from a long quality run that shared it); `full` stays 1. A row

@@ -231,8 +231,10 @@ def plot(rows: list[TTFTRow], path: str | Path) -> None:
     )
 
 
-def write_json(rows: list[TTFTRow], path: str | Path) -> None:
-    Path(path).write_text(json.dumps([asdict(r) for r in rows], indent=2))
+def write_json(rows: list[TTFTRow], path: str | Path, machine: str | None = None) -> None:
+    """The rows as a JSON list, each naming the machine that measured it (`hardware.machine`), as
+    `bench niah --ttft-from` reads them."""
+    Path(path).write_text(json.dumps([{**asdict(r), "machine": machine} for r in rows], indent=2))
 
 
 def _ratio_cell(ratio: float | str) -> str:
