@@ -413,9 +413,9 @@ def _qa_pooled(args) -> list:
         raise ValueError("--diagnose measures; it does not pool saved runs (--from)")
     end = args.offset + args.limit if args.limit else float("inf")
     results = [r for r in qa.load(args.from_json) if args.offset <= r.index < end]
-    print(provenance(args.from_json))
     if not results:
         raise ValueError(f"no saved rows of questions {args.offset}..{end - 1} in {args.from_json}")
+    print(provenance(args.from_json))
     return results
 
 

@@ -53,8 +53,9 @@ class Journal:
             shown = "; ".join(f"{k}: {first.get(k)!r} there, {self.header.get(k)!r} here" for k in differ)
             raise ValueError(f"{self.path} holds another run ({shown}); resume it with the same settings "
                              "or give another --results path")
-        self.rows, kept = _rows(lines, self.path)
-        marks = _machine_spans(lines[1:kept])
+        entries, kept = _entries(lines, self.path)
+        self.rows = _rows(entries)
+        marks = _machine_spans(entries)
         self._last_machine = marks[-1][0] if marks else None
         if kept != len(lines):
             self.path.write_text("\n".join(lines[:kept]) + "\n", encoding="utf-8")
@@ -84,7 +85,7 @@ def read_rows(path: str | Path) -> list[dict] | None:
     lines = Path(path).read_text(encoding="utf-8").splitlines()
     if not lines or _header(lines[0]) is None:
         return None
-    return _rows(lines, path)[0]
+    return _rows(_entries(lines, path)[0])
 
 
 def machines(path: str | Path) -> list[tuple[str | None, int]]:
@@ -93,7 +94,7 @@ def machines(path: str | Path) -> list[tuple[str | None, int]]:
     lines = Path(path).read_text(encoding="utf-8").splitlines()
     if not lines or _header(lines[0]) is None:
         return []
-    return _machine_spans(lines[1:_rows(lines, path)[1]])
+    return _machine_spans(_entries(lines, path)[0])
 
 
 def pooled_machines(specs: Iterable[str | Path]) -> set[str | None]:
@@ -163,33 +164,37 @@ def _header(line: str) -> dict | None:
     return head["journal"] if isinstance(head, dict) and isinstance(head.get("journal"), dict) else None
 
 
-def _rows(lines: list[str], path: str | Path) -> tuple[list[dict], int]:
-    """The rows after the header and how many lines are whole: a damaged last line (a kill
-    mid-write) is dropped with a warning, a damaged one before it is an error."""
-    rows, kept = [], 1
+def _entries(lines: list[str], path: str | Path) -> tuple[list[dict], int]:
+    """The lines after the header, parsed (rows and machine lines), and how many lines are whole:
+    a damaged last line (a kill mid-write) is dropped with a warning, a damaged one before it is
+    an error."""
+    entries, kept = [], 1
     for n, line in enumerate(lines[1:], 2):
         try:
-            row = json.loads(line)
+            entries.append(json.loads(line))
             kept = n
-            if not _machine_line(row):
-                rows.append(row)
         except json.JSONDecodeError:
             if n != len(lines):
                 raise ValueError(f"{path}:{n}: a damaged row before the last; the journal cannot be "
                                  "resumed safely") from None
             log.warning("%s:%d: dropping a row cut off mid-write; it is measured again", path, n)
-    return rows, kept
+    return entries, kept
+
+
+def _rows(entries: list[dict]) -> list[dict]:
+    """The measured rows among a journal's entries (its machine lines left out)."""
+    return [e for e in entries if not _machine_line(e)]
 
 
 def _machine_line(obj) -> bool:
     return isinstance(obj, dict) and set(obj) == {"machine"}
 
 
-def _machine_spans(lines: list[str]) -> list[tuple[str | None, int]]:
-    """Whole row lines (no header) grouped by the machine line before them."""
+def _machine_spans(entries: list[dict]) -> list[tuple[str | None, int]]:
+    """(machine, rows) per stretch of a journal's entries: rows grouped by the machine line before
+    them (None before any); stretches without rows left out."""
     spans: list[tuple[str | None, int]] = [(None, 0)]
-    for line in lines:
-        obj = json.loads(line)
+    for obj in entries:
         if _machine_line(obj):
             spans.append((obj["machine"], 0))
         else:
