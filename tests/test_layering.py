@@ -4,11 +4,14 @@ A module's layer is its folder (`cacheclip_rag/<layer>/...`); the package's top-
 the base (config, hardware, paths: what every layer shares) and the facade (the engine and the
 package's public names). Layers, lowest first:
 
-    base < models, storage < corpus < request < selectors < engine < offline < serving < eval < cli
+    base < models, storage < corpus < request < selectors < engine < offline < serving < cli
+         < analysis (the seam the harness uses) < harness (`benchmarks/cacheclip_bench`)
 
-A module imports from its own layer or a lower one only. models and storage are peers that never
-import each other: a store holds bytes and knows no model. The request path (models, storage,
-corpus, request, selectors, the engine) therefore imports nothing of serving, offline or eval.
+A module imports from its own layer or a lower one only. The harness is a package of its own and
+reaches the library through two doors only: the public names (`cacheclip_rag`) and the analysis
+seam (`cacheclip_rag.analysis`); nothing in the library imports either of those two upper layers.
+models and storage are peers that never import each other: a store holds bytes and knows no model. The request path (models, storage,
+corpus, request, selectors, the engine) therefore imports nothing of serving, offline or the harness.
 
 The graph is read from the source with `ast`, so an import hidden inside a function or under
 `if TYPE_CHECKING:` counts like any other for the layers. For cycles, a type-only import (under
@@ -28,11 +31,14 @@ PACKAGES = {
     "cacheclip_kernels": ROOT / "kernels" / "cacheclip_kernels",
     "langchain_cacheclip": ROOT / "integrations" / "langchain_cacheclip",
     "llama_index.llms.cacheclip": ROOT / "integrations" / "llama_index" / "llms" / "cacheclip",
+    "cacheclip_bench": ROOT / "benchmarks" / "cacheclip_bench",
 }
 RANK = {"base": 0, "models": 1, "storage": 1, "corpus": 2, "request": 3, "selectors": 4, "engine": 5, "offline": 6,
-        "serving": 7, "eval": 8, "cli": 9}
+        "serving": 7, "cli": 8, "analysis": 9, "harness": 10}
 BASE = {"config", "hardware", "paths"}
 FACADE = {"engine"}
+SEAM = "analysis"
+HARNESS_DOORS = {"cacheclip_rag", "cacheclip_rag.analysis"}
 REQUEST_PATH = {"models", "storage", "corpus", "request", "selectors", "engine", "base"}
 
 
@@ -51,8 +57,11 @@ MODULES = _modules()
 
 
 def layer(module: str) -> str | None:
-    """The layer of a module of cacheclip_rag (None for the kernels and the integrations)."""
+    """The layer of a module of cacheclip_rag or of the harness (None for the kernels and the
+    integrations)."""
     parts = module.split(".")
+    if parts[0] == "cacheclip_bench":
+        return "harness"
     if parts[0] != "cacheclip_rag":
         return None
     if len(parts) == 1 or parts[1] in FACADE:
@@ -172,7 +181,7 @@ def test_the_finder_sees_imports_inside_functions_and_type_checking_blocks():
     graph = _graph()
     # engine imports its stages at the top; the CLI imports most commands' modules inside functions.
     assert "cacheclip_rag.request.prepare" in graph["cacheclip_rag.engine"]
-    assert len(graph["cacheclip_rag.cli"]) >= 5
+    assert len(graph["cacheclip_rag.cli"]) >= 4
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -180,14 +189,14 @@ def test_every_module_lives_in_a_known_layer():
     layers = {layer(m) for m in MODULES} - {None}
     assert layers <= set(RANK), f"folders without a rank: {sorted(layers - set(RANK))}"
     top = sorted(m for m, path in MODULES.items() if path.parent == PACKAGES["cacheclip_rag"] and path.name != "__init__.py")
-    assert top == sorted(f"cacheclip_rag.{name}" for name in BASE | FACADE)
+    assert top == sorted(f"cacheclip_rag.{name}" for name in BASE | FACADE | {SEAM})
 
 
 def test_the_layer_check_catches_an_upward_import():
     graph = {"cacheclip_rag.storage.store": {"cacheclip_rag.models.loading"},
-             "cacheclip_rag.request.execute": {"cacheclip_rag.eval.ttft", "cacheclip_rag.storage.store"},
-             "cacheclip_rag.eval.ttft": {"cacheclip_rag.request.execute"}}
-    assert _upward(graph) == ["cacheclip_rag.request.execute (request) imports cacheclip_rag.eval.ttft (eval)",
+             "cacheclip_rag.request.execute": {"cacheclip_bench.ttft", "cacheclip_rag.storage.store"},
+             "cacheclip_bench.ttft": {"cacheclip_rag.request.execute"}}
+    assert _upward(graph) == ["cacheclip_rag.request.execute (request) imports cacheclip_bench.ttft (harness)",
                               "cacheclip_rag.storage.store (storage) imports cacheclip_rag.models.loading (models)"]
 
 
@@ -197,9 +206,22 @@ def test_imports_go_down_the_layers_only():
 
 def test_the_request_path_imports_no_serving_offline_or_eval_code():
     graph = _graph()
-    above = {"serving", "offline", "eval", "cli"}
+    above = {"serving", "offline", "cli", "analysis", "harness"}
     offenders = {m: sorted(d for d in deps if layer(d) in above) for m, deps in graph.items() if layer(m) in REQUEST_PATH}
     assert {m: d for m, d in offenders.items() if d} == {}
+
+
+def test_the_harness_reaches_the_library_through_its_public_names_and_the_analysis_seam_only():
+    graph = _graph()
+    harness = [m for m in graph if layer(m) == "harness"]
+    assert len(harness) >= 20, "the harness package was not found"
+    offenders = {m: sorted(d for d in deps if d.startswith("cacheclip_rag") and d not in HARNESS_DOORS)
+                 for m, deps in graph.items() if m in harness}
+    assert {m: d for m, d in offenders.items() if d} == {}
+    # and the library never reaches back: no module of cacheclip_rag imports the harness or its seam
+    library = {m: sorted(d for d in deps if layer(d) in ("harness", SEAM)) for m, deps in graph.items()
+               if m.startswith("cacheclip_rag") and m != "cacheclip_rag.analysis"}
+    assert {m: d for m, d in library.items() if d} == {}
 
 
 def test_storage_imports_no_model_code():

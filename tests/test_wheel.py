@@ -83,6 +83,10 @@ def test_every_source_file_and_the_package_data_are_in_the_wheel(wheel):
     missing = sorted(_source_files() - names)
     assert not missing, f"the wheel lacks {missing}"
     assert not [d for d in DATA if d not in names], f"the wheel lacks package data: {[d for d in DATA if d not in names]}"
+    # The research harness is a package of its own (benchmarks/): none of it ships in the library.
+    harness = sorted(n for n in names if n.startswith("cacheclip_bench/") or "/eval/" in n or "/bench" in n
+                     or n.endswith(("/bench.py", "/eval.py")))
+    assert harness == [], f"the wheel carries benchmark code: {harness}"
     # llama_index is llama-index-core's namespace package: shipping its __init__ would shadow it.
     assert "llama_index/__init__.py" not in names and "llama_index/llms/__init__.py" not in names
 

@@ -93,7 +93,7 @@ def test_calibrate_on_a_qa_file_takes_its_last_questions_and_their_length(folder
 
 
 def test_bench_niah_pools_saved_runs_without_loading_models(tmp_path, capsys):
-    from cacheclip_rag.eval import needle
+    from cacheclip_bench import needle
 
     def row(mode, ratio, seed, score):
         return needle.NeedleResult(length=64, variant="multikey_1", seed=seed, mode=mode, ratio=ratio, score=score,
@@ -122,7 +122,7 @@ def test_bench_niah_pools_saved_runs_without_loading_models(tmp_path, capsys):
     # a journal of another machine beside the saved run: said, and the frontier's mixed TTFT named
     from dataclasses import asdict
 
-    from cacheclip_rag.eval.journal import Journal
+    from cacheclip_bench.journal import Journal
 
     journal = Journal(tmp_path / "epyc.jsonl", {"primary": "p"}, machine="AMD EPYC; 1 threads")
     for r in (row("full", 1.0, 2, 1.0), row("cacheclip", 0.2, 2, 1.0)):

@@ -7,7 +7,8 @@ import torch
 from conftest import CORPUS
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig, SelectConfig
-from cacheclip_rag.eval import needle
+from cacheclip_bench.suite import Suite
+from cacheclip_bench import needle
 from cacheclip_rag.offline import calibrate as calibrate_mod
 from cacheclip_rag.offline.calibrate import calibrate
 from cacheclip_rag.request.recompute import recompute_rows
@@ -98,7 +99,7 @@ def test_calibration_is_deterministic_and_never_reads_evaluation_seeds(eng, monk
     with pytest.raises(ValueError, match="calibration seeds"):
         calibrate(eng, seed=5)
     with pytest.raises(ValueError, match="evaluation seeds"):
-        needle.run(None, [("reuse", 0.0)], seed=calibrate_mod.CALIBRATION_SEED_BASE - 1, samples=2)
+        needle.run(None, [("reuse", 0.0)], Suite(seed=calibrate_mod.CALIBRATION_SEED_BASE - 1, samples=2))
 
 
 def test_profile_round_trips_and_is_used_by_default(tiny_pair, tmp_path):

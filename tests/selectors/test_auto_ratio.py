@@ -111,7 +111,7 @@ def test_the_auto_share_is_calibrated_to_spend_a_fixed_ratio_on_average(tiny_pai
 
 
 def test_bench_mode_lists_give_auto_only_to_modes_that_size_their_budget():
-    from cacheclip_rag.cli.bench import _mode_list
+    from cacheclip_bench.harness import mode_list as _mode_list
 
     pairs = _mode_list(["reuse", "cacheblend", "cacheclip"], [0.1, "auto"])
     assert pairs == [("reuse", 0.0), ("cacheblend", 0.1), ("cacheclip", 0.1), ("cacheclip", "auto")]

@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import CORPUS
 
+from cacheclip_bench.suite import Suite
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
 from cacheclip_rag.config import StoreConfig
 from cacheclip_rag.corpus import packets as packet_lib
@@ -127,14 +128,14 @@ def test_foreign_or_missing_adapter_files_are_refused(tiny_pair, adapter_file, t
 def test_fidelity_and_deviation_benches_on_packet_caches(eng):
     """The packet modes replay through the packet cache; the packet deviation bench compares it
     with a full prefill of the wrapped sequence."""
-    from cacheclip_rag.eval import deviation, fidelity
+    from cacheclip_bench import deviation, fidelity
 
     modes = [("reuse", 0.0), ("packet", 0.0), ("packet+cacheclip", 0.3)]
-    results = fidelity.run(eng, modes, variants=["multivalue"], lengths=[150], samples=1, answer_tokens=3)
+    results = fidelity.run(eng, modes, Suite(lengths=[150], variants=["multivalue"], samples=1), answer_tokens=3)
     by_mode = {r.mode: r for r in results}
     assert set(by_mode) == {"reuse", "packet", "packet+cacheclip"}
     assert by_mode["packet"].effective_fraction == 0.0 < by_mode["packet+cacheclip"].effective_fraction
-    deviations, forced = deviation.run(eng, [0.3], variants=["multivalue"], lengths=[150], samples=1,
+    deviations, forced = deviation.run(eng, [0.3], Suite(lengths=[150], variants=["multivalue"], samples=1),
                                        answer_tokens=3, packets=True)
     assert deviations and {r.mode for r in forced} == {"packet-deviation", "packet-deviation-L1", "packet+cacheclip"}
     # The first packet follows the prefix in both caches: its rows differ by rounding only.

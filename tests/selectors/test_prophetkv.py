@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import CORPUS
 
-import cacheclip_rag.eval  # noqa: F401  (registers the bench variants)
+import cacheclip_bench  # noqa: F401  (registers the bench variants)
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
 from cacheclip_rag.config import BaselineConfig
 from cacheclip_rag.models.rope import rerotate

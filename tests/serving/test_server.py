@@ -223,7 +223,7 @@ def test_a_client_that_disconnects_frees_its_slot(slow):
 
 def test_http_ttft_bench_on_tiny_models(tiny_pair, tmp_path):
     """`bench http`'s runner: both paths measured on the same requests, same answers."""
-    from cacheclip_rag.eval import http
+    from cacheclip_bench import http
 
     engine = _engine(CacheClipEngine, tiny_pair, tmp_path)
     rows = http.run(engine, [120], [("cacheclip", 0.3), ("reuse", 0.0)], runs=2, max_new_tokens=3)

@@ -4,7 +4,10 @@
     offline   models, calibrate, train
     serving   serve
     stores    store stats | verify | repair
-    bench     bench, eval
+
+and the groups other installed packages add through the `cacheclip.commands` entry point: the
+benchmark harness (`benchmarks/`, package `cacheclip-bench`) adds `bench` and `eval` that way, so
+the library never imports it. Where it is not installed, `bench` and `eval` say how to install it.
 """
 
 from __future__ import annotations
@@ -12,10 +15,20 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from importlib.metadata import entry_points
 
-from . import bench, corpus, offline, serving, stores
+from . import corpus, offline, serving, stores
 
-GROUPS = (corpus, offline, serving, stores, bench)
+GROUPS = (corpus, offline, serving, stores)
+PLUGIN_GROUP = "cacheclip.commands"
+HARNESS_COMMANDS = {"bench": "benchmarks", "eval": "QA evaluation from a file"}
+HARNESS_HINT = ("the benchmark harness is not installed; from a clone of the repository: "
+                "pip install -e ./benchmarks (or `make install`, which installs it)")
+
+
+def plugins() -> list:
+    """The `add_commands` functions that installed packages register under `cacheclip.commands`."""
+    return [ep.load() for ep in sorted(entry_points(group=PLUGIN_GROUP), key=lambda ep: ep.name)]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -23,10 +36,24 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     for group in GROUPS:
         group.add_commands(sub)
+    for add_commands in plugins():
+        add_commands(sub)
+    for name, what in HARNESS_COMMANDS.items():
+        if name not in sub.choices:  # listed in --help; main() answers them before parsing
+            sub.add_parser(name, help=f"{what} (needs the benchmark harness: pip install -e ./benchmarks)")
     return ap
 
 
+def _harness_missing(argv: list[str]) -> bool:
+    """Whether argv asks for a harness command that no installed package provides."""
+    return bool(argv) and argv[0] in HARNESS_COMMANDS and not list(entry_points(group=PLUGIN_GROUP))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if _harness_missing(argv):
+        print(f"cacheclip {argv[0]}: {HARNESS_HINT}", file=sys.stderr)
+        return 2
     args = parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"

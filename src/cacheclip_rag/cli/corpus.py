@@ -37,7 +37,7 @@ def cmd_ask(args) -> int:
         pass
     answer = stream.answer
     if args.show_selection:
-        from ..eval import html
+        from . import selection_html as html
 
         if answer.mode != "cacheclip":
             raise ValueError(f"--show-selection shows CacheClip's selection; use --mode cacheclip, not {answer.mode!r}")

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..config import EngineConfig, ModelConfig
 from ..corpus import packets as packet_lib
 from ..engine import CacheClipEngine
-from ..eval.qa_data import FORMATS as QA_FORMATS
+from ..offline.qa_data import FORMATS as QA_FORMATS
 from ..hardware import describe as describe_cpu
 from ..models.loading import DEFAULT_AUX, DEFAULT_PRIMARY
 from .common import add_common, add_dtype, engine_from_args, progress_bar
@@ -67,7 +67,7 @@ def cmd_calibrate(args) -> int:
 def _qa_calibration(args) -> tuple[CacheClipEngine, dict]:
     """`calibrate --data FILE`: the engine under the dataset's prompt, and the questions to
     calibrate on (by default the file's last --samples, away from where `bench qa` starts)."""
-    from ..eval import qa_data
+    from ..offline import qa_data
     from ..offline.calibrate import qa_inputs
 
     if args.auto_share:

@@ -125,7 +125,7 @@ def needle_input(length: int, seed: int, i: int, tokenizer) -> CalibrationInput:
 
 
 def qa_inputs(examples) -> list[CalibrationInput]:
-    """QA examples (`eval.qa_data.QAExample`) as calibration inputs: each passage one chunk, in
+    """QA examples (`offline.qa_data.QAExample`) as calibration inputs: each passage one chunk, in
     order, as `bench qa` asks them."""
     return [CalibrationInput(ex.question, [dict(c) for c in ex.contexts], split=False) for ex in examples]
 
