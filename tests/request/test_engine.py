@@ -303,7 +303,7 @@ def test_a_request_is_frozen_and_its_stages_return_what_they_found(engine):
 
 def test_question_first_puts_the_question_before_the_chunks_and_keeps_the_oracles(tiny_pair, tmp_path):
     from cacheclip_rag.config import PromptConfig
-    from cacheclip_rag.request.assemble import ape_positions
+    from cacheclip_rag.selectors.ape import ape_positions
 
     prompt = PromptConfig(question_first="Question: {question}\n\n")
     eng = CacheClipEngine(*tiny_pair, tmp_path / "store", EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4),

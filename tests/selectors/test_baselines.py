@@ -5,14 +5,9 @@ import torch
 from conftest import CORPUS
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
-from cacheclip_rag.request.assemble import ape_positions
-from cacheclip_rag.request.recompute import (
-    ApeSpec,
-    BlendSpec,
-    _blend_keep,
-    attend,
-    attend_ape,
-)
+from cacheclip_rag.request.recompute import attend
+from cacheclip_rag.selectors.ape import ApeSpec, ape_positions, attend_ape
+from cacheclip_rag.selectors.cacheblend import BlendSpec, blend_keep
 
 Q = "what is the code in the kitchen drawer?"
 
@@ -79,7 +74,7 @@ def test_cacheblend_keeps_the_largest_deviations():
     new = old.clone()
     for i, d in enumerate([0.1, 3.0, 0.2, 2.0, 0.0, 0.05]):
         new[0, :, i] = d
-    keep = _blend_keep(BlendSpec(cand, 0.4, on="k"), rows, new, new, old, old)
+    keep = blend_keep(BlendSpec(cand, 0.4, on="k"), rows, new, new, old, old)
     assert rows[keep].tolist() == [4, 6, 8]  # the two largest deviations among 5 candidates, plus the question
 
 

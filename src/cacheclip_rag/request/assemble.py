@@ -99,23 +99,6 @@ def build_layout(prefix_ids: torch.Tensor, pieces: list[tuple[str, str | None]],
     return Layout(torch.cat(ids), int(prefix_ids.numel()), tuple(segments))
 
 
-def ape_positions(layout: Layout) -> torch.Tensor:
-    """RoPE positions for APE: every chunk starts where the first one does, right after the
-    prefix and any plain text before it (parallel encoding); plain text after a chunk continues
-    after the longest chunk. Returns [N]."""
-    positions = torch.arange(layout.num_tokens)
-    frontier = layout.prefix_len
-    base = None  # where the parallel chunks start
-    for seg in layout.segments:
-        n = seg.end - seg.start
-        if seg.cached and base is None:
-            base = frontier
-        start = base if seg.cached else frontier
-        positions[seg.start : seg.end] = torch.arange(start, start + n)
-        frontier = max(frontier, start + n)
-    return positions
-
-
 def write_prefix(cache: AssembledCache, layout: Layout, prefix_kv: ChunkKV) -> None:
     """The one copy of the shared prefix, positions [0, P), every layer."""
     p = layout.prefix_len

@@ -20,7 +20,7 @@ from .context import Prepared
 from .decode import Step, hf_step
 from .pipeline import LayerFeeder, start_assembly
 from .plan import Plan
-from .recompute import ApeSpec, recompute_rows
+from .recompute import LayerHook, recompute_rows
 from .selector import Selector
 
 
@@ -126,17 +126,17 @@ def _recompute(prepared: Prepared, plan: Plan, cache: AssembledCache, feeder: La
     positions = plan.positions if plan.positions is not None else torch.arange(layout.num_tokens)
     rows = torch.unique(torch.cat([layout.uncached_rows(), plan.rows]))  # sorted
     result = recompute_rows(prepared.primary.lm, cache, layout.input_ids, rows, positions=positions,
-                            backend=config.attention_backend, ape=plan.ape, blend=plan.blend, layer_ready=feeder.wait,
+                            backend=config.attention_backend, hook=plan.hook, layer_ready=feeder.wait,
                             embed=prepared.embed())
     feeder.finish()
     timings["assemble"] = feeder.busy  # loading + re-rotation per layer, overlapped when pipelined
     timings["load_wait"] = feeder.waited
     timings["recompute"] = time.perf_counter() - t - feeder.waited
     timings["cache"] = time.perf_counter() - start  # the request's cache built: load + assemble + recompute
-    return Executed(result.logits, own_step(prepared, cache, positions, plan.ape), result.rows, plan, timings)
+    return Executed(result.logits, own_step(prepared, cache, positions, plan.hook), result.rows, plan, timings)
 
 
-def own_step(prepared: Prepared, cache: AssembledCache, positions: torch.Tensor, ape: ApeSpec | None) -> Step:
+def own_step(prepared: Prepared, cache: AssembledCache, positions: torch.Tensor, hook: LayerHook | None) -> Step:
     """Decode through the same layer loop as recompute, into the preallocated cache rows."""
     lm, layout, backend, embed = prepared.primary.lm, prepared.layout, prepared.config.attention_backend, prepared.embed()
     n = layout.num_tokens
@@ -146,7 +146,7 @@ def own_step(prepared: Prepared, cache: AssembledCache, positions: torch.Tensor,
 
     def step(token: int, t: int) -> torch.Tensor:
         ids[n + t] = token
-        return recompute_rows(lm, cache, ids, torch.tensor([n + t]), positions=pos, backend=backend, ape=ape,
+        return recompute_rows(lm, cache, ids, torch.tensor([n + t]), positions=pos, backend=backend, hook=hook,
                               embed=embed).logits
 
     return step

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .recompute import ApeSpec, BlendSpec
+from .recompute import LayerHook
 
 
 @dataclass(frozen=True)
@@ -19,8 +19,9 @@ class Plan:
 
     rows: [S] chunk rows (sequence indices) to recompute, besides every plain-text row.
     full_prefill: run an ordinary prefill of the whole sequence instead (the `full` mode).
-    positions: [N] RoPE position per sequence index, where a method moves tokens (APE); None:
-        the index itself. ape / blend: attention tweaks applied inside the layer loop.
+    positions: [N] RoPE position per sequence index, where a method moves tokens; None: the
+        index itself. hook: what the method changes inside the layer loop (rows it drops at a
+        layer, attention of its own), in recompute and decoding; None: nothing.
     trace: per chunk, what the selector saw and chose (for display: `AnswerStream.trace`).
     seconds: time spent planning.
     """
@@ -28,8 +29,7 @@ class Plan:
     rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     full_prefill: bool = False
     positions: torch.Tensor | None = None
-    ape: ApeSpec | None = None
-    blend: BlendSpec | None = None
+    hook: LayerHook | None = None
     trace: tuple[dict, ...] = ()
     seconds: float = 0.0
 

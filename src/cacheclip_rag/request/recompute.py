@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from cacheclip_kernels import (
     BlockPlan,
     blocked_attention,
@@ -63,33 +62,24 @@ def attend(
     return sparse_query_attention_ref(q, k, v, q_pos, scale=scale, window=window)
 
 
-@dataclass(frozen=True)
-class ApeSpec:
-    """APE's query-phase calibration (see `attend_ape`).
-
-    context: [N] bool, True for chunk tokens (the parallel-encoded contexts); everything else
-    (shared prefix, plain text, the query, generated tokens) is the other group.
-    temperature T and scale S act on that other group, as in APE's reference code.
+class LayerHook:
+    """What a method changes inside the layer loop; its selector returns one in the `Plan`, and
+    the loop calls it at every layer, in recompute and in decoding alike. This base changes
+    nothing; a method overrides one or both calls (a selector that drops rows at a check layer,
+    one that attends with its own temperature: see `selectors/`).
     """
 
-    context: torch.Tensor
-    temperature: float = 1.0
-    scale: float = 1.0
+    def keep(self, layer: int, rows: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+             k_old: torch.Tensor, v_old: torch.Tensor) -> torch.Tensor | None:
+        """Which of `rows` [M] go on from this layer, as indices into rows (None: all of them).
+        k_new, v_new: [1, H_kv, M, D] the rows' K/V at this layer; k_old, v_old: the cache's."""
+        return None
 
-
-@dataclass(frozen=True)
-class BlendSpec:
-    """CacheBlend's selection, made inside the layer loop.
-
-    Every row is recomputed up to `check_layer`; there the rows among `candidates` ([N] bool)
-    whose new K (or V) deviates most from the cached one are kept (round(ratio x candidates)),
-    with every non-candidate row; only those continue to the later layers.
-    """
-
-    candidates: torch.Tensor
-    ratio: float
-    check_layer: int = 1
-    on: str = "k"
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_rows: torch.Tensor, scale: float,
+               window: int | None) -> torch.Tensor | None:
+        """The rows' attention output [1, H, M, D] at this layer, or None for the loop's own
+        (`attend`). q [1, H, M, D]; keys, values [1, H_kv, N, D]; q_rows [1, M] sequence indices."""
+        return None
 
 
 @dataclass
@@ -102,45 +92,6 @@ class RecomputeResult:
     tail_logits: torch.Tensor | None = None
 
 
-def attend_ape(q, k, v, q_idx, scale: float, ape: ApeSpec, window: int | None = None) -> torch.Tensor:
-    """APE's attention for the rows computed after the parallel contexts (torch path).
-
-    As APE's reference code computes it (`prefill_query`: two attention calls merged through
-    their log-sum-exps), keys fall in two groups: C, the parallel contexts, attended as usual;
-    and A, every other visible key (shared prefix, plain text, the query so far), whose logits
-    are divided by T and whose log-sum-exp is multiplied by S * T before the merge. In one
-    softmax that is, per row, logit s/T + (S*T - 1) * lse_A(s/T) for a key in A and s for a key
-    in C. T = S = 1 is ordinary attention. Causal by sequence index, like `attend`.
-    q [B, H, M, D]; k, v [B, H_kv, N, D]; q_idx [B, M]. Returns [B, H, M, D].
-    """
-    n = k.shape[2]
-    other = ~ape.context[:n].to(k.device)  # [N]: prefix, plain text, query, generated
-    k = torch.where(other[None, None, :, None], k / ape.temperature, k)  # their logits / T
-    visible = causal_position_mask(q_idx, n, window)  # [B, 1, M, N]
-    cols = torch.nonzero(other).flatten()  # few: the contexts are most of the sequence
-    group = q.shape[1] // k.shape[1]
-    k_other = k[:, :, cols].repeat_interleave(group, dim=1)
-    logits = torch.matmul(q.float(), k_other.float().transpose(-1, -2)) * scale  # [B, H, M, |other|]
-    lse = logits.masked_fill(~visible[..., cols], float("-inf")).logsumexp(dim=-1, keepdim=True)
-    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # [B, H, M, 1]
-    bias = torch.where(other, (ape.scale * ape.temperature - 1.0) * lse, torch.zeros_like(lse))  # [B, H, M, N]
-    bias = bias.masked_fill(~visible, float("-inf")).to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=group > 1)
-
-
-def _blend_keep(spec: BlendSpec, rows, k_new, v_new, k_old, v_old) -> torch.Tensor:
-    """Indices (into rows) kept by CacheBlend at its check layer."""
-    new, old = (k_new, k_old) if spec.on == "k" else (v_new, v_old)
-    deviation = (new.float() - old.float()).pow(2).sum(dim=(0, 1, 3))  # [M]
-    is_candidate = spec.candidates.to(rows.device)[rows]
-    n_keep = round(spec.ratio * int(is_candidate.sum()))
-    deviation = torch.where(is_candidate, deviation, torch.tensor(float("-inf")))
-    chosen = torch.topk(deviation, n_keep).indices if n_keep else torch.empty(0, dtype=torch.long)
-    keep = ~is_candidate
-    keep[chosen] = True
-    return torch.nonzero(keep).flatten()
-
-
 @torch.inference_mode()
 def recompute_rows(
     lm: LoadedModel,
@@ -150,8 +101,7 @@ def recompute_rows(
     *,
     positions: torch.Tensor | None = None,
     backend: str = "auto",
-    ape: ApeSpec | None = None,
-    blend: BlendSpec | None = None,
+    hook: LayerHook | None = None,
     layer_ready: Callable[[int], None] | None = None,
     tail: int = 1,
     embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -162,10 +112,11 @@ def recompute_rows(
     input_ids: [>= rows[-1] + 1] the request's tokens by sequence index. rows: [M] sorted unique
     sequence indices; the last one is the row whose next token is predicted. Each row attends
     causally by sequence index. positions: [>= rows[-1] + 1] RoPE position of each index
-    (default: the index itself; APE's parallel chunks share positions). layer_ready(l) is
+    (default: the index itself; a method may move chunks, as parallel encoding does). hook: the
+    plan's changes inside the layer loop (`LayerHook`). layer_ready(l) is
     called before layer l runs: the pipelined loader fills that layer of the cache meanwhile.
-    tail: how many of the last rows get logits (teacher-forced scoring; CacheBlend must not
-    drop those rows). embed: ids [M] -> input rows [M, hidden], for requests whose rows are not
+    tail: how many of the last rows get logits (teacher-forced scoring; a hook must not drop
+    those rows). embed: ids [M] -> input rows [M, hidden], for requests whose rows are not
     all vocabulary tokens (KV Packet's soft rows, `packets.embed`); default the model's embedding.
     observe(layer, q, rows): called at each layer once the rows' K/V are in the cache, with
     their queries q [1, heads, M, head_dim] (rotated) and sequence indices [M], before they
@@ -194,8 +145,8 @@ def recompute_rows(
             layer_ready(layer)
         keys, values = cache.keys[layer], cache.values[layer]
         q, k, v = fam.qkv(layer, h, rope)
-        if blend is not None and layer == blend.check_layer:
-            keep = _blend_keep(blend, rows, k, v, keys[:, :, rows], values[:, :, rows])
+        keep = hook.keep(layer, rows, k, v, keys[:, :, rows], values[:, :, rows]) if hook is not None else None
+        if keep is not None:
             rows, h, q, k, v = rows[keep], h[:, keep], q[:, :, keep], k[:, :, keep], v[:, :, keep]
             rope = {t: (cos[:, keep], sin[:, keep]) for t, (cos, sin) in rope.items()}
             plans.clear()
@@ -208,9 +159,8 @@ def recompute_rows(
         if layer == last and rows.numel() > tail:
             # Every row's K/V is written; only the last `tail` rows' outputs reach the logits.
             q, h, q_rows, plan = q[:, :, -tail:], h[:, -tail:], rows[-tail:], None
-        if ape is not None:
-            out = attend_ape(q, keys, values, q_rows[None], scale, ape, window)
-        else:
+        out = hook.attend(q, keys, values, q_rows[None], scale, window) if hook is not None else None
+        if out is None:
             out = attend(q, keys, values, q_rows[None], scale, backend, window, plan)
         h = fam.finish(layer, h, out)
     logits = fam.logits(h[:, -tail:])[0].float().cpu()  # [tail, vocab], on the host for decoding

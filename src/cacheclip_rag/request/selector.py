@@ -4,7 +4,7 @@ A selector turns a `Prepared` request into a `Plan` (plan.py). The API, the CLI 
 list modes from this registry, so a new method is one file that calls `register`. Built-in
 selectors live in `cacheclip_rag.selectors`, one file each, and register when that package is
 imported (the engine imports it, so `import cacheclip_rag` registers them); analysis-only ones
-(the attention oracle) register from `cacheclip_rag.eval`.
+(the attention oracle) register from the benchmark harness, through `cacheclip_rag.analysis`.
 """
 
 from __future__ import annotations

@@ -9,11 +9,18 @@ scores' mass (`mass_ratio`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from ..config import SelectConfig
+
+
+def row_count(ratio: float, n: int, up: bool = False) -> int:
+    """How many of n rows a ratio recomputes: round(ratio x n), or ceil with `up` (EPIC's
+    per-chunk budget, at least one row of any chunk). The one rule every selector sizes by."""
+    return math.ceil(ratio * n) if up else round(ratio * n)
 
 
 @dataclass
@@ -28,7 +35,7 @@ class ChunkSelection:
 def top_k_candidates(scores: list[torch.Tensor], ratio: float) -> list[torch.Tensor]:
     """Global top k = round(ratio x total tokens) over all chunks; one bool mask per chunk."""
     total = sum(int(s.numel()) for s in scores)
-    k = round(ratio * total)
+    k = row_count(ratio, total)
     flat = torch.zeros(total, dtype=torch.bool)
     if k > 0:
         flat[torch.topk(torch.cat(scores), k).indices] = True
@@ -94,7 +101,7 @@ def keep_budget(scores: list[torch.Tensor], ratio: float, window: int, tau: int)
     """
     sizes = [int(s.numel()) for s in scores]
     total = sum(sizes)
-    target = round(ratio * total)
+    target = row_count(ratio, total)
     if target <= 0:
         return [torch.zeros(n, dtype=torch.bool) for n in sizes]
     order = torch.argsort(torch.cat(scores), descending=True, stable=True)

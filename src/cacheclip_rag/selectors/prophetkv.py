@@ -35,6 +35,7 @@ from ..request.pipeline import assemble
 from ..request.plan import Plan
 from ..request.recompute import recompute_rows
 from ..request.selector import Selector, register
+from .budget import row_count
 from .primary_attention import rows_attention
 
 
@@ -54,7 +55,7 @@ class ProphetKV(Selector):
         start = time.perf_counter()
         scores = query_attention(prepared, fuse=self.fuse, heads=self.heads)
         chunk_rows = prepared.layout.chunk_rows()
-        k = round(prepared.request.ratio * chunk_rows.numel())
+        k = row_count(prepared.request.ratio, chunk_rows.numel())
         if self.unit == "word":
             top = top_words(scores, word_ids(prepared.layout), k)
         else:

@@ -6,6 +6,7 @@ import torch
 
 from ..request.plan import Plan
 from ..request.selector import Selector, register
+from .budget import row_count
 
 
 class RandomRows(Selector):
@@ -13,7 +14,7 @@ class RandomRows(Selector):
 
     def plan(self, prepared) -> Plan:
         chunk_rows = prepared.layout.chunk_rows()
-        k = round(prepared.request.ratio * chunk_rows.numel())
+        k = row_count(prepared.request.ratio, chunk_rows.numel())
         gen = torch.Generator().manual_seed(prepared.request.seed)
         return Plan(rows=chunk_rows[torch.randperm(chunk_rows.numel(), generator=gen)[:k]])
 
