@@ -203,8 +203,6 @@ def test_a_namespace_never_mixes_codecs(tmp_path):
     KVStore(tmp_path, StoreConfig(kv_codec="int8")).put_kv(NS, "a", _kv())
     s = KVStore(tmp_path, StoreConfig(kv_codec="int4"))  # the namespace keeps its codec
     assert s.codec_of(NS) == "int8"
-    with pytest.raises(ValueError, match="'int8'.*'int4'"):
-        s.put_kv(NS, "b", _kv(), codec="int4")
     with pytest.raises(ValueError, match="never mixes codecs"):
         s.describe_namespace(NS, {"kv_codec": "bf16"})
     s.put_kv(NS, "b", _kv(seed=1))  # written with the namespace's codec
@@ -231,3 +229,33 @@ def test_an_engine_keeps_each_codec_in_its_own_namespace(tiny_pair, tmp_path):
     usage = KVStore(tmp_path).usage()["namespaces"]
     per_token = {c: usage[ns]["bytes_per_token"] for c, ns in spaces.items()}
     assert per_token["bf16"] > per_token["int8"] > per_token["int4"]
+
+
+def test_the_store_resolves_auto_once_and_reports_the_codec_its_records_carry(tiny_pair, tmp_path):
+    """"auto" is resolved by the store alone (`choose_codec`): a new store takes the default for its
+    kv_dtype, a store that already holds the model's caches keeps their codec; what the engine
+    reports is what its records were written with."""
+    from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
+    from cacheclip_rag.storage.record import record_codec
+
+    chunking = ChunkConfig(chunk_tokens=24, overlap_tokens=4)
+
+    def opened(store_dir, cfg: StoreConfig):
+        with CacheClipEngine(*tiny_pair, store_dir, EngineConfig(chunk=chunking, store=cfg)) as eng:
+            ids = eng.ingest(CORPUS[:2], progress=False)
+            ns, reported = eng.primary.namespace, eng.primary.codec
+            carried = {record_codec(eng.store.backend.get(ns, i).meta) for i in ids}
+            return ns, reported, carried, eng.store.usage()["namespaces"][ns]["kv_codec"]
+
+    ns, reported, carried, recorded = opened(tmp_path / "a", StoreConfig(kv_codec="auto"))
+    assert reported == codecs.AUTO_CODEC and carried == {reported} and recorded == reported
+    # a dtype asked for keeps caches as they are: "auto" is then bf16
+    _, reported, carried, _ = opened(tmp_path / "b", StoreConfig(kv_codec="auto", kv_dtype="float32"))
+    assert reported == codecs.DEFAULT_CODEC and carried == {reported}
+    # a store written with int4 and opened again with "auto" keeps int4 (the namespace it has)
+    first, _, _, _ = opened(tmp_path / "c", StoreConfig(kv_codec="int4"))
+    again, reported, carried, _ = opened(tmp_path / "c", StoreConfig(kv_codec="auto"))
+    assert again == first and reported == "int4" and carried == {"int4"}
+    probe = KVStore(tmp_path / "c", StoreConfig(kv_codec="auto"))
+    assert probe.choose_codec(lambda c: first if c == "int4" else "ff" * 16) == "int4"
+    assert probe.choose_codec(lambda c: "ee" * 16) == codecs.AUTO_CODEC

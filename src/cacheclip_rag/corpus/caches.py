@@ -16,8 +16,7 @@ import torch
 from ..config import PromptConfig
 from ..models.loading import LoadedModel
 from ..storage.backends.base import PREFIX_KEY
-from ..storage.codecs import AUTO, AUTO_CODEC, DEFAULT_CODEC
-from ..storage.codecs import names as codec_names
+from ..storage.codecs import DEFAULT_CODEC
 from ..storage.record import ChunkKV, DamagedCacheError, LayerReader
 from ..storage.store import KVStore
 from .encode import Template, chat_template, encode_prefix, encode_segment, tokenize
@@ -61,7 +60,6 @@ class ChunkCaches:
     storage: torch.dtype
     adapters: PacketAdapters | None = None
     depth: Callable[[], int | None] | None = None
-    codec: str = DEFAULT_CODEC
     _prefix: ChunkKV | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
@@ -71,16 +69,11 @@ class ChunkCaches:
         the shared prefix's cache is there and current."""
         template = chat_template(lm, prompt)
         prefix_ids, _ = tokenize(lm, template.prefix, special=True)
-        storage = store.cfg.storage_dtype(lm.dtype)
+        storage = store.storage_dtype(lm.dtype)
         digest = adapters.digest() if adapters is not None else None
-        codec = store.cfg.kv_codec
-        if codec == AUTO:  # the codec this model's caches already have in the store, else the default
-            described = store.read_manifest().get("namespaces", {})
-            fresh = AUTO_CODEC if store.cfg.kv_dtype == "auto" else DEFAULT_CODEC  # a dtype asked for: kept as is
-            codec = next((c for c in (fresh, *codec_names()) if namespace_of(lm, prefix_ids, storage, digest, c)
-                          in described), fresh)
+        codec = store.choose_codec(lambda c: namespace_of(lm, prefix_ids, storage, digest, c))
         caches = cls(lm, template, prefix_ids, namespace_of(lm, prefix_ids, storage, digest, codec), store, role,
-                     storage, adapters, depth, codec)
+                     storage, adapters, depth)
         about = {"role": role, "model": lm.name, "fingerprint": lm.fingerprint, "dtype": _name(lm.dtype),
                  "kv_dtype": _name(storage), "kv_codec": codec}
         if digest is not None:
@@ -88,6 +81,11 @@ class ChunkCaches:
         store.describe_namespace(caches.namespace, about)
         caches.prefix()
         return caches
+
+    @property
+    def codec(self) -> str:
+        """The codec the store keeps these caches with (the store resolved and recorded it)."""
+        return self.store.codec_of(self.namespace)
 
     def get(self, chunk_id: str, text: str | None = None) -> ChunkKV:
         """The cache of a chunk, every layer of the model: from the store, or encoded from its
@@ -105,7 +103,7 @@ class ChunkCaches:
             kv = self.store.get_kv(self.namespace, PREFIX_KEY)
             if kv is None or not torch.equal(kv.token_ids, self.prefix_ids):
                 kv = encode_prefix(self.lm, self.template.prefix).to(self.storage)
-                kv = self.store.put_kv(self.namespace, PREFIX_KEY, kv, codec=self.codec)
+                kv = self.store.put_kv(self.namespace, PREFIX_KEY, kv)
             self._prefix = kv
         return self._prefix
 
@@ -180,7 +178,7 @@ class ChunkCaches:
             kv = encode_segment(self.lm, self.prefix_ids, text).to(self.storage)
         depth = self.stored_depth(layers)
         cut = kv.first_layers(depth) if depth is not None else kv
-        stored = self.store.put_kv(self.namespace, chunk_id, cut, remember=remember and cut is kv, codec=self.codec)
+        stored = self.store.put_kv(self.namespace, chunk_id, cut, remember=remember and cut is kv)
         if remember and cut is not kv:
             self.store.remember(self.namespace, chunk_id, stored, whole=False)
         if cut is kv:

@@ -26,10 +26,12 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ..config import StoreConfig
 from . import codecs
@@ -330,11 +332,28 @@ class KVStore:
 
     # ----- caches ---------------------------------------------------------------------------
 
+    def storage_dtype(self, compute: torch.dtype) -> torch.dtype:
+        """The dtype this store keeps the caches of a model computing in `compute` in."""
+        return self.cfg.storage_dtype(compute)
+
+    def choose_codec(self, namespace_for: Callable[[str], str]) -> str:
+        """The codec a model's caches are kept with here: the one place "auto" is resolved.
+        namespace_for(codec) names the model's namespace under each codec (the codec is part of a
+        namespace's name). A codec named in `StoreConfig.kv_codec` is that codec; "auto" is the
+        codec of a namespace of this model the store already describes, else int8 where the
+        storage dtype was left to the store and bf16 where one was asked for (kept as is). The
+        caller records it with `describe_namespace`; `codec_of` reports it from then on."""
+        if self.cfg.kv_codec != codecs.AUTO:
+            return self.cfg.kv_codec
+        described = self.read_manifest().get("namespaces", {})
+        fresh = codecs.AUTO_CODEC if self.cfg.kv_dtype == "auto" else codecs.DEFAULT_CODEC
+        return next((c for c in (fresh, *codecs.names()) if namespace_for(c) in described), fresh)
+
     def codec_of(self, namespace: str) -> str:
-        """The codec a namespace's caches are kept with: as its manifest entry records it (absent
-        there: bf16, as every store before codecs), or for a namespace not yet described, this
-        store's `StoreConfig.kv_codec` (bf16 for "auto", which engines resolve themselves; its
-        first write records it)."""
+        """The codec a namespace's caches are kept with, as its manifest entry records it (absent
+        there: bf16, as every store before codecs). A namespace no model described (records put
+        through this API directly) is kept with the codec `StoreConfig.kv_codec` names, losslessly
+        under "auto": a lossy codec is chosen only for a model's caches (`choose_codec`)."""
         codec = self._codecs.get(namespace)
         if codec is None:
             info = self.read_manifest().get("namespaces", {}).get(namespace)
@@ -348,18 +367,13 @@ class KVStore:
         (a few tokens every request reads: compressing it would save nothing and move them all)."""
         return codecs.DEFAULT_CODEC if key == PREFIX_KEY else self.codec_of(namespace)
 
-    def put_kv(self, namespace: str, key: str, kv: ChunkKV, remember: bool = True, codec: str | None = None
-               ) -> ChunkKV:
+    def put_kv(self, namespace: str, key: str, kv: ChunkKV, remember: bool = True) -> ChunkKV:
         """Store `kv` under `key` (atomically, encoded with the namespace's codec, with checksums
         of the stored bytes) and, unless `remember` is False, keep it whole in the memory tier.
-        codec: the one the caller means to write; refused when the namespace holds another.
         Returns the cache as a read will serve it: `kv` itself, or decoded from what a lossy
         codec stored (so that a request never depends on whether a cache came from memory)."""
         check_namespace(namespace)
         have = self.codec_of(namespace)
-        if codec is not None and codec != have:
-            raise ValueError(f"store {self.location}: namespace {namespace[:12]} holds {have!r} caches; refusing to "
-                             f"write a {codec!r} one (a namespace never mixes codecs)")
         if namespace not in self._codecs:
             self.describe_namespace(namespace, {**(self.read_manifest().get("namespaces", {}).get(namespace) or {}),
                                                 "kv_codec": have})
