@@ -20,9 +20,7 @@ engine rebuilds it from the chunk's text. This checking is here, once, above eve
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import json
 import logging
 import os
 import threading
@@ -30,11 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..config import StoreConfig
-from . import codecs
+from . import codecs, inspection
 from . import profiles as profile_lib
 from .backends import KVBackend, StoreUnavailableError, open_backend
 from .backends.base import PREFIX_KEY, HeldRecord, check_namespace
@@ -44,10 +41,10 @@ from .record import (
     FORMAT_VERSION,
     Chunk,
     ChunkKV,
-    DamagedCacheError,
     LayerReader,
     to_record,
 )
+from .texts import Embedding, chunk_document, parse_chunk
 
 log = logging.getLogger(__name__)
 
@@ -192,83 +189,13 @@ class KVStore:
 
     def usage(self) -> dict:
         """Chunks, the bound, and per namespace its caches, stored bytes, tokens and bytes per
-        token (each record's token count read from its token ids, not its layers)."""
-        texts = self.backend.texts()
-        out = {"chunks": len(texts), "text_bytes": sum(len(json.dumps(d)) for _, d in texts if d),
-               "max_bytes": self.max_bytes, "namespaces": {}}
-        names = self.read_manifest().get("namespaces", {})
-        for ns in self.backend.namespaces():
-            listed = self.backend.list(ns)
-            tokens = sum(self._tokens(ns, name) for name in listed)
-            nbytes = self.backend.nbytes(ns)
-            out["namespaces"][ns] = {"kv_codec": codecs.DEFAULT_CODEC, **names.get(ns, {}), "caches": len(listed),
-                                     "bytes": nbytes, "tokens": tokens,
-                                     "bytes_per_token": nbytes / tokens if tokens else None}
-        return out
-
-    def _tokens(self, namespace: str, name: str) -> int:
-        try:
-            record = self.backend.get_by_name(namespace, name)
-            if record is None:
-                return 0
-            try:
-                return int(record.tensor("token_ids").numel())
-            finally:
-                record.close()
-        except StoreUnavailableError:
-            raise
-        except (OSError, ValueError, KeyError):
-            return 0
+        token (`inspection.usage`)."""
+        return inspection.usage(self.backend, self.read_manifest(), self.max_bytes)
 
     def verify(self) -> dict:
-        """Check every cache (parse, names, every checksum) and every chunk text.
-
-        Returns {"checked": n, "damaged": [(namespace, name, why)], "orphans": [...],
-        "missing": {namespace: [chunk ids without a cache]}, "bad_texts": [names]}.
-        Nothing is changed; `repair` (on the engine) heals what this finds.
-        """
-        report = {"checked": 0, "damaged": [], "orphans": [], "missing": {}, "bad_texts": []}
-        on_demand = {ns for ns, info in self.read_manifest().get("namespaces", {}).items() if info.get("packets")}
-        bounded = self.max_bytes is not None  # a bounded store drops caches by design: absent is fine
-        chunk_ids, expected = set(), set()
-        for name, data in self.backend.texts():
-            ok = isinstance(data, dict) and isinstance(data.get("id"), str) and isinstance(data.get("text"), str) \
-                and name == self.backend.text_name(data["id"])
-            if ok:
-                chunk_ids.add(data["id"])
-                if not data.get("lazy"):  # a lazy chunk's caches are built on first use
-                    expected.add(data["id"])
-            else:
-                report["bad_texts"].append(f"{name}: unreadable, or its name or text does not match")
-        for ns in self.backend.namespaces():
-            have = set()
-            for name in self.backend.list(ns):
-                report["checked"] += 1
-                try:
-                    record = self.backend.get_by_name(ns, name)
-                    if record is None:
-                        continue
-                    key = record.meta.get("key", "")
-                    reader = LayerReader(record, ns, key, self._record_codec(ns, key))
-                    for i in range(reader.num_layers):
-                        reader.layer(i)
-                    reader.close()
-                    if name != self.backend.name_of(key):
-                        raise DamagedCacheError("stored name does not match its key")
-                except StoreUnavailableError:
-                    raise
-                except (OSError, ValueError, KeyError) as err:
-                    report["damaged"].append((ns, name, str(err)))
-                    continue
-                have.add(key)
-                if key not in chunk_ids and not key.startswith("__"):
-                    report["orphans"].append((ns, key))
-            missing = sorted(expected - have)
-            if missing and ns not in on_demand and not bounded:  # packet caches are built on first use: absent is fine
-                report["missing"][ns] = missing
-        for where, name in self.backend.leftovers():
-            report["damaged"].append((where, name, "leftover temporary file from an interrupted write"))
-        return report
+        """Check every cache (parse, names, every checksum) and every chunk text; nothing is
+        changed (`inspection.verify` says what the report holds; `repair` on the engine heals)."""
+        return inspection.verify(self.backend, self.read_manifest(), self.max_bytes, self._record_codec)
 
     def drop_leftovers(self) -> None:
         """Remove pieces of interrupted writes."""
@@ -282,12 +209,7 @@ class KVStore:
         built on first use (verify does not count them missing; repair leaves them)."""
         if self.get_chunk(chunk.id) is not None:
             return
-        data = {"id": chunk.id, "text": chunk.text, "source": chunk.source, "start": chunk.start, "end": chunk.end}
-        if embedding is not None:
-            data["embedding"] = embedding.to_dict()
-        if lazy:
-            data["lazy"] = True
-        self.backend.put_text(chunk.id, data)
+        self.backend.put_text(chunk.id, chunk_document(chunk, embedding, lazy))
 
     def lazy_ids(self) -> set[str]:
         """The chunks ingested lazily (caches built on first use)."""
@@ -308,19 +230,19 @@ class KVStore:
         """The chunk stored under `name` and its embedding (None when it was stored without one or
         the stored one is unreadable); None when the text is absent or unreadable."""
         data = self.backend.get_text_by_name(name)
-        chunk = _chunk(data)
+        chunk = parse_chunk(data)
         if chunk is None:
             return None
         return chunk, Embedding.from_dict(data.get("embedding"))
 
     def get_chunk(self, chunk_id: str) -> Chunk | None:
-        return _chunk(self.backend.get_text(chunk_id), chunk_id)
+        return parse_chunk(self.backend.get_text(chunk_id), chunk_id)
 
     def chunks(self) -> list[Chunk]:
         """Every stored chunk (unreadable texts are skipped with a warning)."""
         out = []
         for name, data in self.backend.texts():
-            chunk = _chunk(data)
+            chunk = parse_chunk(data)
             if chunk is None:
                 log.warning("skipping unreadable chunk text %s in %s", name, self.location)
             else:
@@ -461,38 +383,6 @@ class KVStore:
             for name in names:
                 setattr(self.stats, name, getattr(self.stats, name) + 1)
                 setattr(mine, name, getattr(mine, name) + 1)
-
-
-@dataclass(frozen=True)
-class Embedding:
-    """A chunk's retrieval embedding as stored beside its text: the embedder's name and the
-    normalized vector [D] (float32, little-endian, base64 in the text document)."""
-
-    model: str
-    vector: np.ndarray
-
-    def to_dict(self) -> dict:
-        raw = np.ascontiguousarray(self.vector, dtype="<f4").tobytes()
-        return {"model": self.model, "dim": int(self.vector.size), "b64": base64.b64encode(raw).decode("ascii")}
-
-    @classmethod
-    def from_dict(cls, data) -> Embedding | None:
-        try:
-            vector = np.frombuffer(base64.b64decode(data["b64"], validate=True), dtype="<f4").astype(np.float32)
-            if vector.size != int(data["dim"]) or not np.isfinite(vector).all():
-                return None
-            return cls(str(data["model"]), vector)
-        except (KeyError, TypeError, ValueError):
-            return None
-
-
-def _chunk(data: dict | None, chunk_id: str | None = None) -> Chunk | None:
-    try:
-        if data is None or (chunk_id is not None and data.get("id") != chunk_id):
-            return None
-        return Chunk(data["id"], data["text"], data["source"], data["start"], data["end"])
-    except (KeyError, TypeError, AttributeError):
-        return None
 
 
 __all__ = ["Embedding", "KVStore", "StoreStats", "open_store"]
