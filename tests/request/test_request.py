@@ -74,13 +74,13 @@ def test_every_way_in_takes_the_options_from_their_one_declaration():
     from cacheclip_rag.cli import parser
     from cacheclip_rag.cli.common import request_options as cli_options
     from cacheclip_rag.request.options import DEFAULTS
-    from cacheclip_rag.serving import frameworks, server
+    from cacheclip_rag.serving import frameworks, schemas, server
 
     names = [f.name for f in dataclasses.fields(RequestOptions)]
-    body = server.Options.model_fields
+    body = schemas.Options.model_fields
     for name in names:
-        assert name in body or all(n in body for n in server.OPENAI_FIELDS[name]), name
-    assert server.Options().request_options(DEFAULTS.max_new_tokens) == {"max_new_tokens": DEFAULTS.max_new_tokens,
+        assert name in body or all(n in body for n in schemas.OPENAI_FIELDS[name]), name
+    assert schemas.Options().request_options(DEFAULTS.max_new_tokens) == {"max_new_tokens": DEFAULTS.max_new_tokens,
                                                                           "temperature": DEFAULTS.temperature}
     assert inspect.signature(server.create_app).parameters["default_max_tokens"].default == DEFAULTS.max_new_tokens
     fields = frameworks.EngineLLMFields.model_fields

@@ -52,7 +52,7 @@ def _option(default, help: str, **cli):
 class RequestOptions:
     """The per-request options every entry point accepts, validated: the one declaration of
     their names, defaults and meanings. The engine's keyword arguments, the HTTP body
-    (`server.Options`), the LangChain / LlamaIndex fields (`frameworks.EngineLLMFields`) and the
+    (`serving.schemas.Options`), the LangChain / LlamaIndex fields (`frameworks.EngineLLMFields`) and the
     `cacheclip ask` flags are derived from it (tests/request/test_request.py checks each).
     """
 
