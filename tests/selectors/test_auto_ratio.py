@@ -96,7 +96,7 @@ def test_auto_through_the_command_line_and_both_framework_llms(eng):
 
 
 def test_the_auto_share_is_calibrated_to_spend_a_fixed_ratio_on_average(tiny_pair, tmp_path):
-    from cacheclip_rag.offline.calibrate import calibrate_share
+    from cacheclip_rag.offline.auto_share import calibrate_share
 
     engine = CacheClipEngine(*tiny_pair, tmp_path, EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4)))
     with pytest.raises(ValueError, match="no calibrated profile"):

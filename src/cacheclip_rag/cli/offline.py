@@ -32,7 +32,8 @@ def cmd_models(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from ..offline.calibrate import calibrate, calibrate_share, table
+    from ..offline.auto_share import calibrate_share
+    from ..offline.calibrate import calibrate, table
 
     if args.data is None:
         engine, extra = engine_from_args(args), {}

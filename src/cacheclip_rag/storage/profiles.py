@@ -36,7 +36,7 @@ class Profile:
     aux_layers: the aux layers whose query-to-chunk attention is averaged.
     head_agg, row_agg, normalize, context: as `SelectConfig`'s fields of those names.
     lengths: the request lengths (tokens) of the calibration inputs.
-    auto_share: the aux attention mass recompute_ratio="auto" covers (`calibrate.calibrate_share`:
+    auto_share: the aux attention mass recompute_ratio="auto" covers (`auto_share.calibrate_share`:
         the share whose mean recomputed fraction on calibration inputs equals a fixed ratio's).
     source: "store", "shipped", or "shipped for the base primary" (a tuned primary's fallback).
     measured: what calibration measured (criterion, kl, baselines, ...), for reports only.
