@@ -198,3 +198,16 @@ def redis_store_url(redis_url):
     backend = RedisBackend(url)
     backend.flush()
     backend.close()
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_pair, tmp_path_factory):
+    """The tiny pair saved as local model folders (what the command line loads): [primary, aux]."""
+    root = tmp_path_factory.mktemp("models")
+    out = []
+    for name, lm in zip(("primary", "aux"), tiny_pair):
+        path = root / name
+        lm.model.save_pretrained(path)
+        lm.tokenizer.save_pretrained(path)
+        out.append(str(path))
+    return out
