@@ -181,6 +181,32 @@ def mode_flags(p: ArgumentParser, default: str, ratios: str = "default 0.2") -> 
                    help="selection budget rule of cacheclip and oracle (keep: compare at equal effective fractions)")
 
 
+def suite_bench_flags(p: ArgumentParser, modes: list[str], versus: str) -> None:
+    """What a bench over the needle suite with a frontier takes (niah, fidelity): the engine, the
+    suite, the modes (default `modes`), the frontier and --versus."""
+    engine_flags(p)
+    suite_flags(p)
+    mode_flags(p, " ".join(modes), "default 0.2, with --frontier 0.1 0.2 0.3 0.4")
+    frontier_flags(p)
+    versus_flag(p, versus)
+
+
+def timed_flags(p: ArgumentParser, modes: str) -> None:
+    """What a bench that times requests of every mode takes (ttft, http): the engine, --lengths,
+    the modes (default `modes`) and --runs."""
+    engine_flags(p)
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048], help="context lengths in primary tokens")
+    mode_flags(p, modes)
+    p.add_argument("--runs", type=int, default=5, help="runs per mode")
+
+
+def one_request_flags(p: ArgumentParser) -> None:
+    """What a bench that takes one cacheclip request apart takes (schedules, recompute-profile)."""
+    engine_flags(p)
+    p.add_argument("--length", type=int, default=4096, help="request length in primary tokens")
+    p.add_argument("--ratio", type=float, default=0.2)
+
+
 def suite_flags(p: ArgumentParser, lengths: list[int] = (2048,)) -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=list(lengths), help="context lengths in primary tokens")
     p.add_argument("--variants", nargs="+", default=None, help="needle variants (default: all eight)")

@@ -16,11 +16,7 @@ KL_TITLE = ("Paired KL differences on the same samples (negative: closer to full
 
 
 def arguments(p) -> None:
-    h.engine_flags(p)
-    h.suite_flags(p)
-    h.mode_flags(p, " ".join(MODES), "default 0.2, with --frontier 0.1 0.2 0.3 0.4")
-    h.frontier_flags(p)
-    h.versus_flag(p, "the cacheclip rows")
+    h.suite_bench_flags(p, MODES, "the cacheclip rows")
     p.add_argument("--max-new-tokens", type=int, default=64, help="answer tokens compared")
     h.out_flags(p, "-frontier-LENGTH")
 

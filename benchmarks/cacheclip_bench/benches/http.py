@@ -10,10 +10,7 @@ HELP = "TTFT through `cacheclip serve` against the engine's own, same requests"
 
 
 def arguments(p) -> None:
-    h.engine_flags(p)
-    p.add_argument("--lengths", type=int, nargs="+", default=[2048], help="context lengths in primary tokens")
-    h.mode_flags(p, "cacheclip")
-    p.add_argument("--runs", type=int, default=5, help="runs per mode")
+    h.timed_flags(p, "cacheclip")
     p.add_argument("--max-new-tokens", type=int, default=16)
     h.out_flags(p)
 

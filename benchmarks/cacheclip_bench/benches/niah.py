@@ -17,11 +17,7 @@ FRONTIER_MODES = ["full", "reuse", "cacheblend", "epic", "random", "cacheclip", 
 
 
 def arguments(p) -> None:
-    h.engine_flags(p)
-    h.suite_flags(p)
-    h.mode_flags(p, " ".join(MODES), "default 0.2, with --frontier 0.1 0.2 0.3 0.4")
-    h.frontier_flags(p)
-    h.versus_flag(p, "the cacheclip rows")
+    h.suite_bench_flags(p, MODES, "the cacheclip rows")
     p.add_argument("--max-new-tokens", type=int, default=64)
     h.from_flag(p, "disjoint seeds")
     p.add_argument("--ttft-from", default=None, metavar="JSON",

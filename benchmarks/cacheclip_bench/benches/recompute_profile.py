@@ -13,9 +13,7 @@ HELP = "torch.profiler's operators of one selective recompute beside a full pref
 
 
 def arguments(p) -> None:
-    h.engine_flags(p)
-    p.add_argument("--length", type=int, default=4096, help="request length in primary tokens")
-    p.add_argument("--ratio", type=float, default=0.2)
+    h.one_request_flags(p)
     p.add_argument("--no-full", action="store_true", help="skip the full prefill")
     h.out_flags(p)
 

@@ -13,9 +13,7 @@ HELP = "one cacheclip request with the aux selection overlapped, first, or every
 
 
 def arguments(p) -> None:
-    h.engine_flags(p)
-    p.add_argument("--length", type=int, default=4096, help="request length in primary tokens")
-    p.add_argument("--ratio", type=float, default=0.2)
+    h.one_request_flags(p)
     p.add_argument("--runs", type=int, default=3, help="cold runs per schedule")
     h.out_flags(p)
 

@@ -16,10 +16,7 @@ HELP = "time to first token of every mode on the same requests, alternated"
 
 
 def arguments(p) -> None:
-    h.engine_flags(p)
-    p.add_argument("--lengths", type=int, nargs="+", default=[2048], help="context lengths in primary tokens")
-    h.mode_flags(p, "full reuse cacheclip")
-    p.add_argument("--runs", type=int, default=5, help="runs per mode")
+    h.timed_flags(p, "full reuse cacheclip")
     p.add_argument("--peer", action="append", choices=["llamacpp"], default=None,
                    help="a peer row, timed in the same alternation: llamacpp, llama.cpp's full prefill of the GGUF "
                         "the primary was converted from (optional `peers` extra)")
