@@ -246,8 +246,20 @@ def test_every_bench_is_one_module_behind_the_harness_interface():
 def test_without_the_harness_bench_and_eval_say_how_to_install_it(monkeypatch, capsys):
     import cacheclip_rag.cli as cli
 
-    monkeypatch.setattr(cli, "entry_points", lambda group: [])
+    monkeypatch.setattr(cli, "entry_points", lambda group: [])  # as where the harness is not installed
     for command in (["bench", "niah", "--samples", "1"], ["eval"]):
         assert main(command) == 2
         assert "pip install -e ./benchmarks" in capsys.readouterr().err
     assert "ask" in cli.parser().format_help() and "benchmark harness" in cli.parser().format_help()
+
+
+def test_a_plugin_that_does_not_import_leaves_the_library_commands_working(monkeypatch, capsys, caplog):
+    from importlib.metadata import EntryPoint
+
+    import cacheclip_rag.cli as cli
+
+    broken = EntryPoint(name="bench", value="cacheclip_bench_not_here.cli:add_commands", group=cli.PLUGIN_GROUP)
+    monkeypatch.setattr(cli, "entry_points", lambda group: [broken])
+    assert cli.plugins() == [] and "does not import" in caplog.text
+    assert main(["bench", "ttft"]) == 2 and "pip install -e ./benchmarks" in capsys.readouterr().err
+    assert "ingest" in cli.parser().format_help()

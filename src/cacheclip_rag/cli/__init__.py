@@ -27,16 +27,25 @@ HARNESS_HINT = ("the benchmark harness is not installed; from a clone of the rep
 
 
 def plugins() -> list:
-    """The `add_commands` functions that installed packages register under `cacheclip.commands`."""
-    return [ep.load() for ep in sorted(entry_points(group=PLUGIN_GROUP), key=lambda ep: ep.name)]
+    """The `add_commands` functions that installed packages register under `cacheclip.commands`;
+    one that does not import (a package half installed) is left out with a warning, so that the
+    library's own commands still run."""
+    out = []
+    for ep in sorted(entry_points(group=PLUGIN_GROUP), key=lambda ep: ep.name):
+        try:
+            out.append(ep.load())
+        except ImportError as err:
+            logging.getLogger(__name__).warning("command group %r (%s) does not import: %s", ep.name, ep.value, err)
+    return out
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(extra: list | None = None) -> argparse.ArgumentParser:
+    """The command line: the library's groups, then `extra` (default: the installed plugins')."""
     ap = argparse.ArgumentParser(prog="cacheclip", description="RAG with reused chunk KV caches (CacheClip).")
     sub = ap.add_subparsers(dest="command", required=True)
     for group in GROUPS:
         group.add_commands(sub)
-    for add_commands in plugins():
+    for add_commands in plugins() if extra is None else extra:
         add_commands(sub)
     for name, what in HARNESS_COMMANDS.items():
         if name not in sub.choices:  # listed in --help; main() answers them before parsing
@@ -44,17 +53,14 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _harness_missing(argv: list[str]) -> bool:
-    """Whether argv asks for a harness command that no installed package provides."""
-    return bool(argv) and argv[0] in HARNESS_COMMANDS and not list(entry_points(group=PLUGIN_GROUP))
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if _harness_missing(argv):
+    extra = plugins()
+    ap = parser(extra)
+    if argv and argv[0] in HARNESS_COMMANDS and not extra:  # no plugin: bench and eval are stubs
         print(f"cacheclip {argv[0]}: {HARNESS_HINT}", file=sys.stderr)
         return 2
-    args = parser().parse_args(argv)
+    args = ap.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )

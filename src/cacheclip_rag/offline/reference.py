@@ -42,11 +42,19 @@ class Reference:
     """For a packet reference: how its rows embed (soft rows as the adapter vectors)."""
     full_ttft: float = float("nan")
     """Seconds to full attention's first token on this request (the frontier's unit of time)."""
+    full_cache: AssembledCache | None = None
+    """The cache full attention's forced pass wrote (every chunk row recomputed: what a full
+    prefill holds), kept when `reference(keep_full_cache=True)`; None otherwise."""
 
     def forced(self, engine: CacheClipEngine, selected: torch.Tensor, observe: Callable | None = None) -> torch.Tensor:
         """Log-probabilities [T, vocab] at each answer position with `selected` chunk rows (and every
         uncached row, and the answer) recomputed in a copy of the reused cache. observe: as
         `recompute_rows` takes it (layer, q, rows), and the layer's cache keys as a fourth argument."""
+        return self.forced_cache(engine, selected, observe)[0]
+
+    def forced_cache(self, engine: CacheClipEngine, selected: torch.Tensor, observe: Callable | None = None
+                     ) -> tuple[torch.Tensor, AssembledCache]:
+        """`forced`, and the cache that pass wrote."""
         layout, answer = self.layout, self.answer
         n, t = layout.num_tokens, int(answer.numel())
         cache = self.base_cache.copy()
@@ -56,15 +64,17 @@ class Reference:
         result = recompute_rows(engine.primary.lm, cache, ids, rows, backend=engine.config.attention_backend, tail=t,
                                 embed=self.embed, observe=watch)
         logits = result.tail_logits if t > 1 else result.logits[None]
-        return torch.log_softmax(logits, dim=-1)
+        return torch.log_softmax(logits, dim=-1), cache
 
 
 @torch.inference_mode()
 def reference(engine: CacheClipEngine, question: str, chunk_ids: list[str], answer_tokens: int = 64,
-              observe: Callable | None = None) -> Reference | None:
+              observe: Callable | None = None, keep_full_cache: bool = False) -> Reference | None:
     """Full attention's answer (at most `answer_tokens` tokens) and its log-probabilities, forced
     through the recompute path with every chunk row recomputed (the 100% oracle: a full prefill).
-    None when full attention answers nothing. observe: watches that full pass (`Reference.forced`)."""
+    None when full attention answers nothing. observe: watches that full pass (`Reference.forced`);
+    keep_full_cache: keep the cache it wrote (`Reference.full_cache`: what a full prefill holds,
+    for comparing the reused cache with it)."""
     primary = engine.primary
     full = engine.answer(question, chunk_ids=chunk_ids, mode="full", max_new_tokens=answer_tokens)
     answer = tokenize(primary.lm, full.text)[0][:answer_tokens]
@@ -74,7 +84,9 @@ def reference(engine: CacheClipEngine, question: str, chunk_ids: list[str], answ
     layout = prepared.layout
     base = assemble(primary.lm, layout, prepared.prefix_kv(), prepared.chunk_kvs(), capacity=layout.num_tokens + answer.numel())
     ref = Reference(layout, base, answer, torch.empty(0), full_ttft=full.timings["ttft"])
-    ref.full_logprobs = ref.forced(engine, layout.chunk_rows(), observe=observe)
+    ref.full_logprobs, cache = ref.forced_cache(engine, layout.chunk_rows(), observe=observe)
+    if keep_full_cache:
+        ref.full_cache = cache
     return ref
 
 
