@@ -17,12 +17,14 @@ from pathlib import Path
 import torch
 
 from cacheclip_rag.analysis import (
+    LoadedModel,
     attention_from_rows,
     encode_text,
-    LoadedModel,
-    needle_samples as generate,
     to_chars,
     top_jaccard,
+)
+from cacheclip_rag.analysis import (
+    needle_samples as generate,
 )
 
 

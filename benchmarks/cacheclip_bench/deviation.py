@@ -33,7 +33,14 @@ from pathlib import Path
 import torch
 
 from cacheclip_rag import CacheClipEngine
-from cacheclip_rag.analysis import AssembledCache, packet_reference, recompute_rows, Reference, reference
+from cacheclip_rag.analysis import (
+    AssembledCache,
+    Reference,
+    packet_reference,
+    recompute_rows,
+    reference,
+)
+
 from .fidelity import FidelityResult, mode_rows, replay
 from .needle import label, suite
 from .suite import Suite

@@ -26,17 +26,20 @@ import torch
 
 from cacheclip_rag import CacheClipEngine
 from cacheclip_rag.analysis import (
+    Reference,
     kl_positions,
     packet_reference,
-    Reference,
     reference,
-    selector_registry as registry,
     top1_agreement,
 )
+from cacheclip_rag.analysis import (
+    selector_registry as registry,
+)
+
 from . import frontier
 from .needle import BENCH_MODES, by_variants, label, ratio_order, request_for, suite
-from .suite import Suite
 from .stats import bootstrap_interval, mean_of_means
+from .suite import Suite
 
 log = logging.getLogger(__name__)
 

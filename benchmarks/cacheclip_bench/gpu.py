@@ -124,6 +124,7 @@ def environment(dry_run: bool) -> dict:
 
 def kernel_part(plan: Plan) -> tuple[list[dict], str]:
     import torch
+
     from . import kernel as bench
 
     rows, text = [], []
@@ -159,7 +160,14 @@ def oracle_part(plan: Plan, out: Path) -> tuple[dict, str]:
 
 def _tokenizer(text: str):
     """A byte-level BPE trained on the haystack text: token counts like a real model's, no files."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -198,9 +206,8 @@ def ttft_part(plan: Plan, store: str, deadline: float) -> tuple[list[dict], str]
     """TTFT of every mode over the same requests, alternated run by run, per primary and length."""
     import torch
 
-    from cacheclip_rag import ChunkConfig, EngineConfig, ModelConfig
+    from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig, ModelConfig
     from cacheclip_rag.analysis import split_document
-    from cacheclip_rag import CacheClipEngine
 
     text = _corpus(max(plan.ttft_lengths) + 512, 7)
     tokenizer = _tokenizer(text)

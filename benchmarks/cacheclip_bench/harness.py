@@ -30,6 +30,8 @@ from cacheclip_rag.analysis import (
     machine,
     progress_bar,
     ratio_arg,
+)
+from cacheclip_rag.analysis import (
     selector_registry as registry,
 )
 

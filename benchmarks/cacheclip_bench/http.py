@@ -20,6 +20,7 @@ import httpx
 
 from cacheclip_rag import CacheClipEngine
 from cacheclip_rag.analysis import BackgroundServer, create_app, needle_context
+
 from .needle import ratio_text
 
 

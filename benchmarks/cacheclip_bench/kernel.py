@@ -18,8 +18,11 @@ import time
 
 import torch
 import torch.nn.functional as F
-
-from cacheclip_kernels import causal_position_mask, sparse_query_attention, sparse_query_attention_ref
+from cacheclip_kernels import (
+    causal_position_mask,
+    sparse_query_attention,
+    sparse_query_attention_ref,
+)
 
 
 def _time(fn, device: str, reps: int) -> float:

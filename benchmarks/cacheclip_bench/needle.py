@@ -19,15 +19,22 @@ from pathlib import Path
 
 from cacheclip_rag import CacheClipEngine
 from cacheclip_rag.analysis import (
-    needle_samples as generate,
-    needle_score as score,
-    NeedleSample,
-    selector_registry as registry,
     VARIANTS,
+    NeedleSample,
 )
+from cacheclip_rag.analysis import (
+    needle_samples as generate,
+)
+from cacheclip_rag.analysis import (
+    needle_score as score,
+)
+from cacheclip_rag.analysis import (
+    selector_registry as registry,
+)
+
 from .journal import Journal, pool, read_rows
-from .suite import Suite
 from .stats import bootstrap_interval, mean_of_means, nanmean
+from .suite import Suite
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from cacheclip_rag.analysis import attention_from_rows, pick, Plan, register, Selector
+from cacheclip_rag.analysis import Plan, Selector, attention_from_rows, pick, register
 
 
 class Oracle(Selector):

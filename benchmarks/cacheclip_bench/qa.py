@@ -27,10 +27,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from cacheclip_rag import CacheClipEngine
+from cacheclip_rag.analysis import QAExample
+
 from .journal import Journal, pool, read_rows
 from .metrics import best_of, exact_match, normalize, rouge_l, token_f1
 from .needle import label, ratio_order, request_for, uses_packets, with_full
-from cacheclip_rag.analysis import QAExample
 from .stats import bootstrap_interval, nanmean
 
 KEY = ("index", "mode", "ratio")

@@ -35,12 +35,18 @@ from pathlib import Path
 import torch
 
 from cacheclip_rag import CacheClipEngine
-from cacheclip_rag.analysis import kl_positions, reference, rows_attention, top1_agreement
+from cacheclip_rag.analysis import (
+    QAExample,
+    kl_positions,
+    reference,
+    rows_attention,
+    top1_agreement,
+)
+
 from .fidelity import row_modes
 from .metrics import best_of, token_f1
 from .needle import label, ratio_order, request_for
 from .qa import answer_of, spans_of
-from cacheclip_rag.analysis import QAExample
 from .stats import bootstrap_interval, nanmean
 
 log = logging.getLogger(__name__)

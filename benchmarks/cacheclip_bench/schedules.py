@@ -14,9 +14,8 @@ import json
 import statistics
 from pathlib import Path
 
-from cacheclip_rag.analysis import PipelineConfig
 from cacheclip_rag import CacheClipEngine
-from cacheclip_rag.analysis import needle_context
+from cacheclip_rag.analysis import PipelineConfig, needle_context
 
 SCHEDULES = (("overlapped", True, True), ("select first", False, True), ("all serial", False, False))
 KEYS = ("ttft", "selection", "selection_hidden", "load_wait", "assemble", "recompute")

@@ -25,10 +25,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
+from cacheclip_rag import CacheClipEngine, EngineConfig, StoreConfig
+from cacheclip_rag.analysis import LoadedModel, codecs, needle_context
 
-from cacheclip_rag import EngineConfig, StoreConfig
-from cacheclip_rag import CacheClipEngine
-from cacheclip_rag.analysis import codecs, LoadedModel, needle_context
 from . import fidelity, needle
 from .stats import bootstrap_interval, mean_of_means
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from cacheclip_rag import CacheClipEngine
 from cacheclip_rag.analysis import needle_context
+
 from .needle import ratio_text, request_for, uses_packets, with_full
 
 log = logging.getLogger(__name__)

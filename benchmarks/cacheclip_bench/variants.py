@@ -36,7 +36,15 @@ import time
 
 import torch
 
-from cacheclip_rag.analysis import aux_scores, CacheClip, Plan, ProphetKV, query_attention, register, Selector
+from cacheclip_rag.analysis import (
+    CacheClip,
+    Plan,
+    ProphetKV,
+    Selector,
+    aux_scores,
+    query_attention,
+    register,
+)
 
 
 class ProphetKVMax(ProphetKV):

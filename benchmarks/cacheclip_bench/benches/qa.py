@@ -9,9 +9,13 @@ from importlib import resources
 from pathlib import Path
 
 from cacheclip_rag import EngineConfig
-from cacheclip_rag.analysis import add_common, cache_dir, engine_from_args, progress_bar
-
-from cacheclip_rag.analysis import qa_data
+from cacheclip_rag.analysis import (
+    add_common,
+    cache_dir,
+    engine_from_args,
+    progress_bar,
+    qa_data,
+)
 
 from .. import frontier, needle, qa, qa_diagnose
 from .. import harness as h

@@ -6,7 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from cacheclip_rag import ChunkConfig
-from cacheclip_rag.analysis import codec_names, describe_cpu, engine_config, progress_bar
+from cacheclip_rag.analysis import (
+    codec_names,
+    describe_cpu,
+    engine_config,
+    progress_bar,
+)
 
 from .. import fidelity, needle
 from .. import harness as h
