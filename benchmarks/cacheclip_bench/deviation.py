@@ -39,6 +39,7 @@ from cacheclip_rag.analysis import (
     packet_reference,
     recompute_rows,
     reference,
+    relative_deviation,
 )
 
 from .fidelity import FidelityResult, mode_rows, replay
@@ -74,10 +75,10 @@ def full_cache(engine: CacheClipEngine, ref: Reference) -> AssembledCache:
     return cache
 
 
-def relative_deviation(full: torch.Tensor, reused: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """[R] |full - reused| / |full| per row, mean over KV heads; tensors [1, kv_heads, N, head_dim]."""
-    f, r = full[0, :, rows].float(), reused[0, :, rows].float()
-    return ((f - r).norm(dim=-1) / f.norm(dim=-1).clamp(min=1e-6)).mean(0)
+def rows_deviation(full: torch.Tensor, reused: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[R] |full - reused| / |full| at sequence indices `rows`, mean over KV heads; tensors
+    [1, kv_heads, N, head_dim] (the library's `relative_deviation`, as the staleness selectors read it)."""
+    return relative_deviation(full[:, :, rows], reused[:, :, rows])
 
 
 def kv_deviation(engine: CacheClipEngine, ref: Reference) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,8 +86,8 @@ def kv_deviation(engine: CacheClipEngine, ref: Reference) -> tuple[torch.Tensor,
     request's chunk rows (`ref.layout.chunk_rows()`)."""
     full = full_cache(engine, ref)
     rows = ref.layout.chunk_rows()
-    k = torch.stack([relative_deviation(f, r, rows) for f, r in zip(full.keys, ref.base_cache.keys)])
-    v = torch.stack([relative_deviation(f, r, rows) for f, r in zip(full.values, ref.base_cache.values)])
+    k = torch.stack([rows_deviation(f, r, rows) for f, r in zip(full.keys, ref.base_cache.keys)])
+    v = torch.stack([rows_deviation(f, r, rows) for f, r in zip(full.values, ref.base_cache.values)])
     return k, v
 
 

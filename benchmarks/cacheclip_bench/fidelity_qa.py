@@ -42,7 +42,7 @@ from cacheclip_rag.analysis import (
     top1_agreement,
 )
 
-from .deviation import relative_deviation
+from .deviation import rows_deviation
 from .fidelity import mode_rows, row_modes
 from .journal import Journal, pool, read_rows
 from .needle import label, ratio_order
@@ -179,8 +179,8 @@ def ceiling_scores(ref, attention: torch.Tensor, names: Sequence[str]) -> dict[s
     """name -> [C] the ceiling's score of each chunk row. attention: [layers, C]."""
     rows = ref.layout.chunk_rows()
     full, reused = ref.full_cache, ref.base_cache
-    k = torch.stack([relative_deviation(f, r, rows) for f, r in zip(full.keys, reused.keys)])  # [L, C]
-    v = torch.stack([relative_deviation(f, r, rows) for f, r in zip(full.values, reused.values)])
+    k = torch.stack([rows_deviation(f, r, rows) for f, r in zip(full.keys, reused.keys)])  # [L, C]
+    v = torch.stack([rows_deviation(f, r, rows) for f, r in zip(full.values, reused.values)])
     per_layer = (k + v) / 2
     dev, attn_mean = per_layer.mean(0), attention.mean(0)
     out = {"dev": dev, "attn-last": attention[-1], "attn-mean": attn_mean, "dev*attn": dev * attn_mean}

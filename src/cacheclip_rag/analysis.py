@@ -15,7 +15,8 @@ Analysis-only modes
     `register` adds a selector under a mode name (the harness's `oracle` and the bench variants
     register through it); `Selector` and `Plan` are what one implements and returns; `pick` is the
     one rule that turns scores and a ratio into rows; the scoring functions of the shipped
-    selectors let a variant recombine them. `selector_registry` lists and looks up modes.
+    selectors let a variant recombine them (`aux_scores`, `aux_deviation`, `relative_deviation`:
+    how far a reused cache is from a full pass's, as the staleness selectors and the ceilings read it). `selector_registry` lists and looks up modes.
 
 The layer loop, for profiling
     `assemble`, `AssembledCache`, `recompute_rows` and `attention_path` run and name the stages of
@@ -37,19 +38,35 @@ Parts measured on their own
 
 from __future__ import annotations
 
-from .cli.common import add_common, add_dtype, engine_config, engine_from_args, progress_bar
+from .cli.common import (
+    add_common,
+    add_dtype,
+    engine_config,
+    engine_from_args,
+    progress_bar,
+)
 from .config import AUTO, PipelineConfig
 from .corpus.chunking import encode_text, split_document
 from .corpus.index import ChunkIndex
-from .hardware import describe as describe_cpu, machine
-from .models.loading import LoadedModel, gguf_path, load as load_model, wrap
+from .hardware import describe as describe_cpu
+from .hardware import machine
+from .models.loading import LoadedModel, gguf_path, wrap
+from .models.loading import load as load_model
+from .offline import qa_data
 from .offline.calibrate import CALIBRATION_SEED_BASE
 from .offline.haystack import needle_context, prose
-from .offline.niah import VARIANTS, NeedleSample, generate as needle_samples, score as needle_score
-from .offline import qa_data
-from .offline.qa_data import QAExample
+from .offline.niah import VARIANTS, NeedleSample
+from .offline.niah import generate as needle_samples
+from .offline.niah import score as needle_score
 from .offline.overlap import to_chars, top_jaccard
-from .offline.reference import Reference, kl_positions, packet_reference, reference, top1_agreement
+from .offline.qa_data import QAExample
+from .offline.reference import (
+    Reference,
+    kl_positions,
+    packet_reference,
+    reference,
+    top1_agreement,
+)
 from .paths import cache_dir, read_user_text
 from .request import selector as selector_registry
 from .request.assemble import AssembledCache
@@ -59,6 +76,7 @@ from .request.plan import Plan
 from .request.recompute import attention_path, recompute_rows
 from .request.selector import Selector, register
 from .selectors.aux_scores import aux_scores
+from .selectors.aux_staleness import aux_deviation, relative_deviation
 from .selectors.budget import pick
 from .selectors.cacheclip import CacheClip
 from .selectors.primary_attention import attention_from_rows, rows_attention
@@ -68,17 +86,18 @@ from .storage.codecs import names as codec_names
 from .storage.store import hit_rate
 
 __all__ = [
-    "AUTO", "AssembledCache", "BackgroundServer", "CALIBRATION_SEED_BASE", "CacheClip", "ChunkIndex", "Keys",
+    "AUTO", "AssembledCache", "CALIBRATION_SEED_BASE", "CacheClip", "ChunkIndex",
     "LoadedModel", "NeedleSample", "PipelineConfig", "Plan", "ProphetKV", "QAExample", "Reference", "Selector", "VARIANTS",
-    "add_common", "add_dtype", "assemble", "attention_from_rows", "attention_path", "aux_scores", "cache_dir",
-    "codec_names", "codecs", "create_app", "describe_cpu", "encode_text", "engine_config", "engine_from_args",
+    "add_common", "add_dtype", "assemble", "attention_from_rows", "attention_path", "aux_deviation", "aux_scores", "cache_dir",
+    "codec_names", "codecs", "describe_cpu", "encode_text", "engine_config", "engine_from_args",
     "gguf_path", "hit_rate", "kl_positions", "load_model", "machine", "needle_context", "needle_samples",
     "needle_score", "packet_reference", "pick", "progress_bar", "prose", "qa_data", "query_attention", "ratio_arg",
-    "read_user_text", "recompute_rows", "reference", "register", "rows_attention", "selector_registry",
+    "read_user_text", "recompute_rows", "reference", "register", "relative_deviation", "rows_attention", "selector_registry",
     "split_document", "to_chars", "top1_agreement", "top_jaccard", "wrap",
 ]
 
 _SERVING = {"BackgroundServer", "create_app", "Keys"}
+"""Served by `__getattr__` (not in `__all__`): the server's names, imported on first use."""
 
 
 def __getattr__(name: str):

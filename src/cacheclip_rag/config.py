@@ -95,6 +95,11 @@ class SelectConfig:
         0): each chunk was prefilled as the start of its own sequence, so its first tokens carry
         attention-sink K/V that full attention would not have there (EPIC's argument). They are
         added to the selection and counted in the effective fraction.
+    stale_layers, stale_on: `cacheclip-stale` and `cascade` score a token by how far its stored
+        aux cache is from the aux model's pass over the joint sequence, mean over the first
+        `stale_layers` layers, of K, V or both ("k", "v", "kv").
+    cascade_factor: `cascade` proposes this many times the budget by staleness; the primary's
+        reading of the question keeps the budget's worth of them.
     """
 
     score_layers: tuple[int, ...] | None = None
@@ -108,6 +113,9 @@ class SelectConfig:
     auto_share: float | None = None
     auto_floor: float = 0.05
     auto_cap: float = 0.5
+    stale_layers: int = 3
+    stale_on: str = "kv"
+    cascade_factor: float = 2.5
 
 
     def __post_init__(self) -> None:
@@ -129,6 +137,12 @@ class SelectConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not 0.0 < value <= 1.0):
                 raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+        _check_positive("stale_layers", self.stale_layers)
+        if self.stale_on not in ("k", "v", "kv"):
+            raise ValueError(f"stale_on must be 'k', 'v' or 'kv', got {self.stale_on!r}")
+        if isinstance(self.cascade_factor, bool) or not isinstance(self.cascade_factor, (int, float)) \
+                or self.cascade_factor < 1:
+            raise ValueError(f"cascade_factor must be a number >= 1, got {self.cascade_factor!r}")
         if self.auto_floor > self.auto_cap:
             raise ValueError(f"auto_floor ({self.auto_floor}) must not exceed auto_cap ({self.auto_cap})")
         for name, allowed in SCORING_CHOICES.items():

@@ -21,7 +21,6 @@ import torch
 from cacheclip_kernels import (
     BlockPlan,
     blocked_attention,
-    causal_position_mask,
     default_kind,
     sparse_query_attention,
     sparse_query_attention_ref,

@@ -3,7 +3,6 @@ chunk's own attention sink sits."""
 
 from __future__ import annotations
 
-
 import torch
 
 from ..request.plan import Plan
