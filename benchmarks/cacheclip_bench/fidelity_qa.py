@@ -42,6 +42,7 @@ from cacheclip_rag.analysis import (
     top1_agreement,
 )
 
+from . import frontier
 from .deviation import rows_deviation
 from .fidelity import mode_rows, row_modes
 from .journal import Journal, pool, read_rows
@@ -301,6 +302,37 @@ def versus(results: Sequence[QAFidelityRow], labels: Sequence[str], metrics: Seq
                                     ci95=_interval(diffs[:, 0] - diffs[:, 1]),
                                     wins=int((a < b).sum()), losses=int((a > b).sum())))
     return out
+
+
+KL_SHARE = frontier.Metric("share of reuse's KL(full||mode)", higher_is_better=False, digits=2)
+KL_FIRST_SHARE = frontier.Metric("share of reuse's KL at the first answer token", higher_is_better=False, digits=2)
+
+
+def points(rows: Sequence[dict], first_token: bool = False) -> list[frontier.Point]:
+    """One chunking's served modes (`summarize` rows, ceilings left out) as frontier points: the
+    share of reuse's KL over the answer (or at its first token) at the mode's TTFT / full."""
+    metric = "kl_first_share" if first_token else "kl_share"
+    return [frontier.Point(r["label"], frontier.curve_name(r["mode"], r["ratio"]), r["ratio"], r["ttft_vs_full"],
+                           r[metric], *r[f"{metric}_ci95"])
+            for r in rows if not r["ceiling"] and r["ttft_vs_full"] == r["ttft_vs_full"]]
+
+
+def frontier_tables(rows: Sequence[dict], budget: float, plot: str | None = None) -> str:
+    """Per chunking, both shares at the TTFT budget and their Pareto frontiers (and plots)."""
+    out = []
+    for chunking in dict.fromkeys(r["chunking"] for r in rows):
+        mine = [r for r in rows if r["chunking"] == chunking]
+        for first, metric in ((False, KL_SHARE), (True, KL_FIRST_SHARE)):
+            pts = points(mine, first)
+            if not pts:
+                continue
+            out.append(f"\n{chunking} chunking: " + frontier.table(pts, budget, None, metric))
+            if plot:
+                stem = Path(plot)
+                name = f"{stem.stem}-{chunking}-{'first' if first else 'answer'}.png"
+                frontier.plot(pts, str(stem.with_name(name)), budget, f"Fidelity on real questions, {chunking} chunks",
+                              metric)
+    return "\n".join(out)
 
 
 def table(rows: Sequence[dict]) -> str:

@@ -114,11 +114,12 @@ def test_the_command_runs_on_every_format_and_pools_its_journal(folders, tmp_pat
     journal = tmp_path / "fid.jsonl"
     common = ["--store", str(tmp_path / "s"), "--primary", folders[0], "--aux", folders[1]]
     assert main(["bench", "fidelity", "--data", str(path), "--modes", "random", "cacheclip", "--ratios", "1.0", "0.5",
-                 "--chunkings", "passage", "--ceilings", "dev", "attn-last", "--max-new-tokens", "3",
+                 "--chunkings", "passage", "--ceilings", "dev", "attn-last", "--max-new-tokens", "3", "--frontier",
                  "--results", str(journal), "--json", str(tmp_path / "f.json"), *common]) == 0
     out = capsys.readouterr().out
     assert "random@1" in out and "dev@0.5 *" in out and "a ceiling" in out
     assert ("Paired differences" in out) == (name == "musique_s.json")  # pairs need two questions
+    assert "passage chunking: score at TTFT <= 0.25 of full (share of reuse's KL" in out
     saved = json.loads((tmp_path / "f.json").read_text())
     assert {r["label"] for r in saved["summary"]} >= {"reuse", "random@1", "cacheclip@0.5", "dev@1", "attn-last@0.5"}
     whole = [r for r in saved["summary"] if r["label"] == "random@1"][0]

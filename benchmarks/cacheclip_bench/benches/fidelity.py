@@ -113,5 +113,7 @@ def _real(args) -> h.Report:
     if pairs:
         report.add("\nPaired differences in shares of reuse's KL on the same questions (negative: closer to full):")
         report.add(fidelity_qa.versus_table(pairs))
+    if args.frontier:
+        report.add(fidelity_qa.frontier_tables(rows, args.budget_ttft, getattr(args, "plot", None)))
     report.json = lambda path: fidelity_qa.write_json(results, rows, pairs, path)
     return report
