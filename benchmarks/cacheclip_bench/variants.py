@@ -22,6 +22,11 @@ max (the heads that retrieve are few), the top tokens without grouping (window 1
 scores averaged over every aux layer instead of the calibrated ones; `cacheclip-hmax-tokens`
 both of the first two.
 
+`cacheclip-stale-l1`, `-l6`, `-lall`: the aux staleness read over the first 1, 6 or every aux
+layer instead of `SelectConfig.stale_layers`; `cacheclip-stale-k`, `-v`: of K or V alone;
+`cascade-x2`, `-x4`: the cascade proposing 2 or 4 times the budget. What calibration of the
+staleness selectors chooses between, on the same questions (`bench fidelity --data`).
+
 `cacheclip-passage`: whole passages instead of scattered tokens. The aux query reads every chunk
 at once (context "joint", so one softmax compares the chunks), each chunk's share of the aux
 attention is summed, and whole chunks are recomputed in that order until the budget is reached
@@ -38,6 +43,8 @@ import torch
 
 from cacheclip_rag.analysis import (
     CacheClip,
+    CacheClipStale,
+    Cascade,
     Plan,
     ProphetKV,
     Selector,
@@ -83,20 +90,24 @@ class CacheClipProphetKV(Selector):
 
 
 class CacheClipWith(Selector):
-    """CacheClip with `select` fields replaced (`SelectConfig`); "all" score layers: every aux layer."""
+    """A selector (CacheClip by default) with `select` fields replaced (`SelectConfig`); "all"
+    score or stale layers: every aux layer."""
 
     uses_aux = True
     adaptive = True
 
-    def __init__(self, name: str, **select) -> None:
-        self.name, self.select = name, select
+    def __init__(self, name: str, base: Selector | None = None, **select) -> None:
+        self.name, self.base, self.select = name, base or CacheClip(), select
+        self.adaptive = self.base.adaptive
 
     def plan(self, prepared) -> Plan:
         select = dict(self.select)
         if select.get("score_layers") == "all":
             select["score_layers"] = tuple(range(prepared.aux.lm.num_layers))
+        if select.get("stale_layers") == "all":
+            select["stale_layers"] = prepared.aux.lm.num_layers
         request = dataclasses.replace(prepared.request, select=dataclasses.replace(prepared.request.select, **select))
-        return CacheClip().plan(dataclasses.replace(prepared, request=request))
+        return self.base.plan(dataclasses.replace(prepared, request=request))
 
 
 class CacheClipPassage(Selector):
@@ -132,3 +143,9 @@ register(CacheClipWith("cacheclip-hmax", head_agg="max"))
 register(CacheClipWith("cacheclip-tokens", window=1, tau=1))
 register(CacheClipWith("cacheclip-hmax-tokens", head_agg="max", window=1, tau=1))
 register(CacheClipWith("cacheclip-deep", score_layers="all"))
+for _layers in (1, 6, "all"):
+    register(CacheClipWith(f"cacheclip-stale-l{_layers}", CacheClipStale(), stale_layers=_layers))
+register(CacheClipWith("cacheclip-stale-k", CacheClipStale(), stale_on="k"))
+register(CacheClipWith("cacheclip-stale-v", CacheClipStale(), stale_on="v"))
+register(CacheClipWith("cascade-x2", Cascade(), cascade_factor=2.0))
+register(CacheClipWith("cascade-x4", Cascade(), cascade_factor=4.0))

@@ -76,7 +76,7 @@ from .request.plan import Plan
 from .request.recompute import attention_path, recompute_rows
 from .request.selector import Selector, register
 from .selectors.aux_scores import aux_scores
-from .selectors.aux_staleness import aux_deviation, relative_deviation
+from .selectors.aux_staleness import CacheClipStale, Cascade, aux_deviation, relative_deviation
 from .selectors.budget import pick
 from .selectors.cacheclip import CacheClip
 from .selectors.primary_attention import attention_from_rows, rows_attention
@@ -86,7 +86,7 @@ from .storage.codecs import names as codec_names
 from .storage.store import hit_rate
 
 __all__ = [
-    "AUTO", "AssembledCache", "CALIBRATION_SEED_BASE", "CacheClip", "ChunkIndex",
+    "AUTO", "AssembledCache", "CALIBRATION_SEED_BASE", "CacheClip", "CacheClipStale", "Cascade", "ChunkIndex",
     "LoadedModel", "NeedleSample", "PipelineConfig", "Plan", "ProphetKV", "QAExample", "Reference", "Selector", "VARIANTS",
     "add_common", "add_dtype", "assemble", "attention_from_rows", "attention_path", "aux_deviation", "aux_scores", "cache_dir",
     "codec_names", "codecs", "describe_cpu", "encode_text", "engine_config", "engine_from_args",

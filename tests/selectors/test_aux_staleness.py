@@ -96,3 +96,14 @@ def test_bad_staleness_settings_are_refused_by_name():
         SelectConfig(stale_on="q")
     with pytest.raises(ValueError, match="cascade_factor must be a number >= 1"):
         SelectConfig(cascade_factor=0.5)
+
+
+def test_the_bench_variants_change_one_staleness_setting(eng):
+    import cacheclip_bench  # noqa: F401  (registers the analysis variants)
+
+    rows = {}
+    for mode in ("cacheclip-stale", "cacheclip-stale-l1", "cacheclip-stale-lall", "cacheclip-stale-v", "cascade-x4"):
+        prepared = eng.prepare(Q, eng.ids[:4], mode=mode, recompute_ratio=0.3)
+        rows[mode] = prepared.selector.plan_for(prepared).rows
+        assert rows[mode].numel() == round(0.3 * prepared.layout.chunk_rows().numel())
+    assert not torch.equal(rows["cacheclip-stale"], rows["cacheclip-stale-l1"])
