@@ -97,7 +97,9 @@ class SelectConfig:
         added to the selection and counted in the effective fraction.
     stale_layers, stale_on: `cacheclip-stale` and `cascade` score a token by how far its stored
         aux cache is from the aux model's pass over the joint sequence, mean over the first
-        `stale_layers` layers, of K, V or both ("k", "v", "kv").
+        `stale_layers` layers, of K, V or both ("k", "v", "kv"); with recompute_ratio "auto"
+        `cacheclip-stale` recomputes the fewest stalest rows that leave at most `stale_target`
+        of staleness per chunk row unrepaired, within [auto_floor, auto_cap].
     cascade_factor: `cascade` proposes this many times the budget by staleness; the primary's
         reading of the question keeps the budget's worth of them.
     """
@@ -115,6 +117,7 @@ class SelectConfig:
     auto_cap: float = 0.5
     stale_layers: int = 3
     stale_on: str = "kv"
+    stale_target: float = 0.02
     cascade_factor: float = 2.5
 
 
@@ -132,7 +135,7 @@ class SelectConfig:
             ):
                 raise ValueError(f"score_layers must be a non-empty tuple of layer indices or None, got {self.score_layers!r}")
             object.__setattr__(self, "score_layers", tuple(self.score_layers))
-        for name in ("auto_share", "auto_floor", "auto_cap"):
+        for name in ("auto_share", "auto_floor", "auto_cap", "stale_target"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not 0.0 < value <= 1.0):

@@ -107,3 +107,13 @@ def test_the_bench_variants_change_one_staleness_setting(eng):
         rows[mode] = prepared.selector.plan_for(prepared).rows
         assert rows[mode].numel() == round(0.3 * prepared.layout.chunk_rows().numel())
     assert not torch.equal(rows["cacheclip-stale"], rows["cacheclip-stale-l1"])
+
+
+def test_the_auto_budget_recomputes_more_where_chunks_interact(eng):
+    """One chunk right after the prefix has no staleness to repair: "auto" spends its floor; four
+    chunks that read each other spend more."""
+    cfg = eng.config.select
+    alone = eng.answer(Q, chunk_ids=eng.ids[:1], mode="cacheclip-stale", recompute_ratio="auto", max_new_tokens=2)
+    several = eng.answer(Q, chunk_ids=eng.ids[:4], mode="cacheclip-stale", recompute_ratio="auto", max_new_tokens=2)
+    assert several.effective_fraction > alone.effective_fraction
+    assert cfg.auto_floor - 0.05 <= several.effective_fraction <= cfg.auto_cap + 0.05

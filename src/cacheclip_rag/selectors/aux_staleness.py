@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from cacheclip_kernels import causal_position_mask
 
+from ..config import AUTO
 from ..models.loading import LoadedModel
 from ..models.rope import rerotate
 from ..request.plan import Plan
@@ -145,15 +146,33 @@ def _with_chunk_starts(prepared, rows: torch.Tensor) -> torch.Tensor:
     return torch.unique(torch.cat([rows, *starts]))
 
 
+def stale_ratio(prepared, scores: torch.Tensor) -> float:
+    """The request's ratio; for recompute_ratio "auto", the fewest stalest rows whose recompute
+    leaves at most `SelectConfig.stale_target` of staleness per chunk row unrepaired (the mean,
+    over all chunk rows, of the scores of the rows left), as a fraction of the chunk rows within
+    [auto_floor, auto_cap]: a request whose chunks barely interact recomputes its floor, one
+    whose reuse went stale everywhere recomputes more."""
+    ratio, cfg = prepared.request.ratio, prepared.request.select
+    if ratio != AUTO:
+        return ratio
+    n = scores.numel()
+    if n == 0:
+        return cfg.auto_floor
+    left = float(scores.sum()) - torch.cumsum(torch.sort(scores.float(), descending=True).values, 0)  # [C]
+    needed = int((left > cfg.stale_target * n).sum()) + 1 if float(scores.sum()) > cfg.stale_target * n else 0
+    return min(max(needed / n, cfg.auto_floor), cfg.auto_cap)
+
+
 class CacheClipStale(Selector):
     name = "cacheclip-stale"
     uses_aux = True
+    adaptive = True  # recompute_ratio "auto": `stale_ratio`
 
     def plan(self, prepared) -> Plan:
         start = time.perf_counter()
         scores = stale_scores(prepared)
         chunk_rows = prepared.layout.chunk_rows()
-        k = row_count(prepared.request.ratio, chunk_rows.numel())
+        k = row_count(stale_ratio(prepared, scores), chunk_rows.numel())
         top = torch.topk(scores, k).indices if k else torch.empty(0, dtype=torch.long)
         return Plan(rows=_with_chunk_starts(prepared, chunk_rows[top]), seconds=time.perf_counter() - start)
 
