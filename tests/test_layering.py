@@ -251,3 +251,10 @@ def test_no_private_name_of_another_module_is_used():
                     and isinstance(node.value, ast.Name) and node.value.id in aliases:
                 used.append(f"{module} uses {node.value.id}.{node.attr}")
     assert used == []
+
+
+def test_no_module_of_the_library_is_over_400_lines():
+    """A module past 400 lines holds more than one job; split it along its seams."""
+    long = {m: n for m, path in MODULES.items() if layer(m) not in (None, "harness")
+            and (n := len(path.read_text().splitlines())) > 400}
+    assert long == {}

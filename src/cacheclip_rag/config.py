@@ -55,9 +55,7 @@ class ChunkConfig:
     def __post_init__(self) -> None:
         _check_positive("chunk_tokens", self.chunk_tokens)
         if not isinstance(self.overlap_tokens, int) or not 0 <= self.overlap_tokens < self.chunk_tokens:
-            raise ValueError(
-                f"overlap_tokens must be in [0, chunk_tokens={self.chunk_tokens}), got {self.overlap_tokens!r}"
-            )
+            raise ValueError(f"overlap_tokens must be in [0, chunk_tokens={self.chunk_tokens}), got {self.overlap_tokens!r}")
 
 
 AUX_CONTEXTS = ("chunk", "joint")
@@ -95,13 +93,9 @@ class SelectConfig:
         0): each chunk was prefilled as the start of its own sequence, so its first tokens carry
         attention-sink K/V that full attention would not have there (EPIC's argument). They are
         added to the selection and counted in the effective fraction.
-    stale_layers, stale_on: `cacheclip-stale` and `cascade` score a token by how far its stored
-        aux cache is from the aux model's pass over the joint sequence, mean over the first
-        `stale_layers` layers, of K, V or both ("k", "v", "kv"); with recompute_ratio "auto"
-        `cacheclip-stale` recomputes the fewest stalest rows that leave at most `stale_target`
-        of staleness per chunk row unrepaired, within [auto_floor, auto_cap].
-    cascade_factor: `cascade` proposes this many times the budget by staleness; the primary's
-        reading of the question keeps the budget's worth of them.
+    stale_layers, stale_on, stale_target, cascade_factor: the staleness selectors
+        (`selectors/aux_staleness.py`): aux layers read, K/V/both, the staleness per row "auto"
+        may leave, how many times the budget `cascade` proposes.
     """
 
     score_layers: tuple[int, ...] | None = None
@@ -119,7 +113,6 @@ class SelectConfig:
     stale_on: str = "kv"
     stale_target: float = 0.02
     cascade_factor: float = 2.5
-
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_start_tokens, int) or isinstance(self.chunk_start_tokens, bool) \
@@ -141,14 +134,11 @@ class SelectConfig:
                                       or not 0.0 < value <= 1.0):
                 raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
         _check_positive("stale_layers", self.stale_layers)
-        if self.stale_on not in ("k", "v", "kv"):
-            raise ValueError(f"stale_on must be 'k', 'v' or 'kv', got {self.stale_on!r}")
-        if isinstance(self.cascade_factor, bool) or not isinstance(self.cascade_factor, (int, float)) \
-                or self.cascade_factor < 1:
+        if isinstance(self.cascade_factor, bool) or not isinstance(self.cascade_factor, (int, float)) or self.cascade_factor < 1:
             raise ValueError(f"cascade_factor must be a number >= 1, got {self.cascade_factor!r}")
         if self.auto_floor > self.auto_cap:
             raise ValueError(f"auto_floor ({self.auto_floor}) must not exceed auto_cap ({self.auto_cap})")
-        for name, allowed in SCORING_CHOICES.items():
+        for name, allowed in {**SCORING_CHOICES, "stale_on": ("k", "v", "kv")}.items():
             if getattr(self, name) not in (*allowed, None):
                 raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
 

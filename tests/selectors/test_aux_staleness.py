@@ -92,7 +92,7 @@ def test_the_cascade_keeps_the_proposals_the_primary_reads(eng):
 def test_bad_staleness_settings_are_refused_by_name():
     with pytest.raises(ValueError, match="stale_layers must be a positive integer"):
         SelectConfig(stale_layers=0)
-    with pytest.raises(ValueError, match="stale_on must be"):
+    with pytest.raises(ValueError, match="stale_on must be one of"):
         SelectConfig(stale_on="q")
     with pytest.raises(ValueError, match="cascade_factor must be a number >= 1"):
         SelectConfig(cascade_factor=0.5)
