@@ -82,9 +82,14 @@ def engine(args: Namespace):
 
 def mode_list(modes: list[str], ratios: list) -> list[tuple[str, float | str]]:
     """(mode, ratio) pairs: a fixed-ratio mode once, every other mode at every ratio ("auto" only
-    for the modes that size their own budget; a list of only "auto" for others is an error)."""
+    for the modes that size their own budget; a list of only "auto" for others is an error); a
+    mode written "name@ratio" runs at that ratio alone."""
     out = []
     for mode in modes:
+        if "@" in mode:
+            name, _, ratio = mode.partition("@")
+            out += [m for m in mode_list([name], [ratio_arg(ratio)]) if m not in out]
+            continue
         if mode not in (*registry.modes(), *BENCH_MODES):
             raise ValueError(f"mode must be one of {[*registry.modes(), *BENCH_MODES]}, got {mode!r}")
         fixed = registry.get(mode).fixed_ratio if mode not in BENCH_MODES else None

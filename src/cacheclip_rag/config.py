@@ -111,7 +111,7 @@ class SelectConfig:
     auto_cap: float = 0.5
     stale_layers: int = 3
     stale_on: str = "kv"
-    stale_target: float = 0.02
+    stale_target: float = 0.025
     cascade_factor: float = 2.5
 
     def __post_init__(self) -> None:

@@ -117,3 +117,8 @@ def test_bench_mode_lists_give_auto_only_to_modes_that_size_their_budget():
     assert pairs == [("reuse", 0.0), ("cacheblend", 0.1), ("cacheclip", 0.1), ("cacheclip", "auto")]
     with pytest.raises(ValueError, match="takes numeric ratios"):
         _mode_list(["random"], ["auto"])
+    # name@ratio: that ratio alone, beside the cross product of the rest
+    assert _mode_list(["reuse", "cacheclip-stale@auto", "cacheclip-stale@0.1", "prophetkv"], [0.2]) == [
+        ("reuse", 0.0), ("cacheclip-stale", "auto"), ("cacheclip-stale", 0.1), ("prophetkv", 0.2)]
+    with pytest.raises(ValueError, match="takes numeric ratios"):
+        _mode_list(["random@auto"], [0.2])
