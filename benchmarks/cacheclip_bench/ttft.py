@@ -18,9 +18,12 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from cacheclip_rag import CacheClipEngine
 from cacheclip_rag.analysis import needle_context
 
+from . import cost_model
 from .needle import ratio_text, request_for, uses_packets, with_full
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,10 @@ class TTFTRow:
     correct: float
     note: str = ""
     """What a peer's row is (its version, file, threads), or why it has no figures."""
+    arithmetic: float = float("nan")
+    """The recompute's arithmetic share of a full prefill (`cost_model`): the rows it recomputed,
+    counted with the keys each sees; what `recompute` / full's TTFT would be if only arithmetic
+    cost time."""
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -136,6 +143,7 @@ def run(
                 if progress:
                     progress(f"{length} {name}: {peer_runs[name][-1][0]:.1f} s")
         full_ttft = _median([a.timings["ttft"] for a in samples[("full", 1.0)]])
+        shape = cost_model.Shape.of(engine.primary.lm)
         for (mode, ratio), answers in samples.items():
             ttft = [a.timings["ttft"] for a in answers]
             rows.append(
@@ -158,6 +166,8 @@ def run(
                     peak_mb=_median(peaks[(mode, ratio)]),
                     effective_fraction=answers[0].effective_fraction,
                     correct=sum(expected in a.text for a in answers) / len(answers),
+                    arithmetic=1.0 if mode == "full" else cost_model.arithmetic_share(
+                        shape, torch.tensor(answers[0].recomputed, dtype=torch.long), answers[0].prompt_tokens),
                 )
             )
         full = samples[("full", 1.0)][0]
@@ -197,17 +207,20 @@ def _peer_row(length: int, name: str, peer, runs: list[tuple[float, int]], peaks
 def table(rows: list[TTFTRow]) -> str:
     head = (
         f"{'len':>5} {'mode':<15} {'ratio':>5} {'tokens':>6} {'TTFT s':>7} {'[min-max]':>13} {'/full':>6} "
-        f"{'select':>6} {'hidden':>6} {'load':>6} {'asm':>6} {'wait':>6} {'recomp':>6} {'peakMB':>7} {'eff%':>5} {'ok':>4}"
+        f"{'select':>6} {'hidden':>6} {'load':>6} {'asm':>6} {'wait':>6} {'recomp':>6} {'arith':>6} {'peakMB':>7} "
+        f"{'eff%':>5} {'ok':>4}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r.length:>5} {r.mode:<15} {_ratio_cell(r.ratio):>5} {r.prompt_tokens:>6} {r.ttft_median:>7.3f} "
             f"{f'[{r.ttft_min:.2f}-{r.ttft_max:.2f}]':>13} {r.vs_full:>6.3f} {r.selection:>6.3f} {r.selection_hidden:>6.3f} "
-            f"{r.load:>6.3f} {r.assemble:>6.3f} {r.load_wait:>6.3f} {r.recompute:>6.3f} {r.peak_mb:>7.1f} "
+            f"{r.load:>6.3f} {r.assemble:>6.3f} {r.load_wait:>6.3f} {r.recompute:>6.3f} {r.arithmetic:>6.3f} {r.peak_mb:>7.1f} "
             f"{100 * r.effective_fraction:>5.1f} {r.correct:>4.2f}".replace("nan", "  -")
         )
     notes = [f"{r.mode} at {r.length}: {r.note}" for r in rows if r.note]
+    notes.append("arith: the recompute's arithmetic share of a full prefill (rows x layers of projections and MLP, "
+                 "plus attention over the keys each row sees): the /full it would reach if only arithmetic cost time")
     return "\n".join(lines + notes)
 
 
