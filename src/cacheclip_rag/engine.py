@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,9 +32,19 @@ from .request.profile_source import ProfileSource
 from .request import selector as registry
 from .request.answer import Answer, AnswerStream
 from .request.prepare import Prepared, Preparer
+from .storage.backends.memory import MemoryBackend
 from .storage.store import open_store
 
 log = logging.getLogger(__name__)
+
+WARM_UP_DOCUMENTS = (
+    "The lighthouse keeper wrote the tide tables by hand every evening, and the harbour master "
+    "copied them into the ledger kept in the blue cabinet by the door.",
+    "The ledger in the blue cabinet lists the ships that came in each week, their cargo, and the "
+    "name of the pilot who brought each one past the sandbank at low water.",
+)
+WARM_UP_QUESTION = "Where is the ledger with the tide tables kept?"
+"""`warm_up`'s request: two short chunks that read each other, never stored in the caller's store."""
 
 __all__ = ["Answer", "AnswerStream", "CacheClipEngine"]
 
@@ -88,17 +99,38 @@ class CacheClipEngine:
         store_dir: str | Path = "cacheclip-store",
         config: EngineConfig | None = None,
         primary_adapter: str | Path | None = None,
+        warm_up: bool = False,
     ) -> CacheClipEngine:
         """Load both models (embedded default names, local folders or cached hub ids) and open the
         store (a folder or a URL). primary_adapter: a LoRA folder from `cacheclip train lora`
-        merged into the primary (the tuned primary; same as `config.model.primary_adapter`)."""
+        merged into the primary (the tuned primary; same as `config.model.primary_adapter`).
+        warm_up: run `warm_up()` before returning, so that the first answer is as fast as the next
+        (a server's or a demo's; a one-shot command would pay it for nothing)."""
         config = config or EngineConfig()
         if primary_adapter is not None:
             config = dataclasses.replace(config, model=dataclasses.replace(config.model, primary_adapter=str(primary_adapter)))
         primary_lm = model_lib.load(primary, config.model, "primary")
         if config.model.primary_adapter is not None:
             primary_lm = lora.apply(primary_lm, config.model.primary_adapter, copy=False)
-        return cls(primary_lm, model_lib.load(aux, config.model, "aux"), store_dir, config)
+        engine = cls(primary_lm, model_lib.load(aux, config.model, "aux"), store_dir, config)
+        if warm_up:
+            engine.warm_up()
+        return engine
+
+    def warm_up(self, modes: Iterable[str] = ("full", "cacheclip")) -> float:
+        """Do the one-time work a first request would pay (the threads' and kernels' first use,
+        the first touch of the weights) on a short request of its own, through every stage a
+        request runs (encode, store, load, aux selection, recompute, decode), in a scratch store
+        in memory that goes with it: this engine's store, index and answers are untouched.
+        Returns the seconds it took."""
+        start = time.perf_counter()
+        with CacheClipEngine(self.primary.lm, self.aux.lm, MemoryBackend(), self.config) as scratch:
+            ids = scratch.ingest(list(WARM_UP_DOCUMENTS), progress=False)
+            for mode in modes:
+                scratch.answer(WARM_UP_QUESTION, chunk_ids=ids, mode=mode, recompute_ratio=0.2, max_new_tokens=2)
+        seconds = time.perf_counter() - start
+        log.info("warmed up in %.2f s (%s)", seconds, ", ".join(modes))
+        return seconds
 
     def close(self) -> None:
         """Stop the aux worker and close the store's connections (the engine is unusable after)."""

@@ -326,3 +326,16 @@ def test_question_first_puts_the_question_before_the_chunks_and_keeps_the_oracle
     assert starts == {first.end}  # APE's parallel chunks start after it, not on top of it
     with pytest.raises(ValueError, match="question_first must contain"):
         PromptConfig(question_first="no placeholder")
+
+
+def test_warm_up_touches_nothing_of_the_callers_store_and_changes_no_answer(tiny_pair, tmp_path):
+    cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4))
+    with CacheClipEngine(*tiny_pair, tmp_path / "a", cfg) as cold:
+        ids = cold.ingest(CORPUS, progress=False)
+        before = cold.answer("what is the code?", chunk_ids=ids[:3], recompute_ratio=0.3, max_new_tokens=4).text
+    with CacheClipEngine(*tiny_pair, tmp_path / "b", cfg) as warm:
+        ids_b = warm.ingest(CORPUS, progress=False)
+        chunks, usage = warm.store.chunk_count(), warm.store.usage()
+        assert warm.warm_up(modes=("full", "cacheclip", "prophetkv")) > 0
+        assert warm.store.chunk_count() == chunks and warm.store.usage() == usage and len(warm.index) == len(set(ids_b))
+        assert warm.answer("what is the code?", chunk_ids=ids_b[:3], recompute_ratio=0.3, max_new_tokens=4).text == before

@@ -71,7 +71,9 @@ def cmd_demo(args) -> int:
     start = time.perf_counter()
     ids = engine.ingest(docs, progress=True)
     print(f"{describe_cpu()}; models compute in {str(engine.primary.lm.dtype).removeprefix('torch.')}")
-    print(f"corpus: {len(docs)} documents -> {len(set(ids))} chunks, ingested in {time.perf_counter() - start:.1f}s (store {args.store})\n")
+    print(f"corpus: {len(docs)} documents -> {len(set(ids))} chunks, ingested in {time.perf_counter() - start:.1f}s (store {args.store})")
+    print(f"warm-up: {engine.warm_up():.1f}s, untimed (what a first request would pay once: threads, kernels, the "
+          "weights' first touch)\n")
     for q in questions:
         answer = engine.answer(q["question"], mode="cacheclip", recompute_ratio=args.ratio, max_new_tokens=48)
         full = engine.answer(q["question"], chunk_ids=answer.chunk_ids, mode="full", max_new_tokens=48)

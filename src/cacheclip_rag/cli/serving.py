@@ -24,6 +24,7 @@ def cmd_serve(args) -> int:
     if args.ray_address or args.router != "chunk-affinity":
         raise ValueError("--ray-address and --router apply to `serve --replicas N`")
     engine = engine_from_args(args)
+    engine.warm_up()  # the first client's request must not pay the one-time work
     required = [name for name, key in (("API key", keys.api), ("admin key to ingest", keys.admin)) if key]
     guarded = f"; needs the {' and the '.join(required)}" if required else ""
     print(f"serving {engine.primary.lm.name} on http://{args.host}:{args.port}/ (OpenAI API under /v1; store "

@@ -81,7 +81,7 @@ class EngineReplica:
         from ..engine import CacheClipEngine
 
         torch.set_num_threads(max(1, spec.threads))
-        self.engine = CacheClipEngine.from_pretrained(spec.primary, spec.aux, spec.store, spec.config)
+        self.engine = CacheClipEngine.from_pretrained(spec.primary, spec.aux, spec.store, spec.config, warm_up=True)
         self.requests = 0
         log.info("replica %d ready: %s + %s on %s", os.getpid(), spec.primary, spec.aux, spec.store)
 
