@@ -148,6 +148,19 @@ def test_bench_ttft_says_where_each_model_runs_and_when_the_aux_selects(folders,
     assert "cacheclip" in printed and "/full" in printed
 
 
+def test_bench_ttft_cold_times_the_first_request_of_fresh_processes(folders, tmp_path, capsys):
+    out = tmp_path / "cold.json"
+    assert main(["bench", "ttft", "--cold", "--lengths", "100", "--modes", "full", "cacheclip", "--ratios", "0.5",
+                 "--chunk-tokens", "40", "--json", str(out), *_args(folders, tmp_path / "s")]) == 0
+    printed = capsys.readouterr().out
+    assert "first / next" in printed and "cacheclip@0.5" in printed
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["warm_up"]) for r in rows] == [("full", False), ("full", True), ("cacheclip", False),
+                                                         ("cacheclip", True)]
+    assert all(len(r["ttfts"]) == 6 and r["first_vs_rest"] > 0 for r in rows)
+    assert all((r["warm_up_s"] > 0) == r["warm_up"] for r in rows)
+
+
 def test_bench_ttft_peer_row_says_a_folder_primary_has_no_gguf(folders, tmp_path, capsys):
     out = tmp_path / "t.json"
     assert main(["bench", "ttft", "--lengths", "100", "--runs", "1", "--modes", "cacheclip", "--ratios", "0.5",

@@ -7,9 +7,9 @@ import torch
 
 from cacheclip_rag.analysis import attention_path, machine, progress_bar
 
+from .. import cold, ttft
 from .. import harness as h
 from .. import peers as peer_lib
-from .. import ttft
 
 NAME = "ttft"
 HELP = "time to first token of every mode on the same requests, alternated"
@@ -21,10 +21,15 @@ def arguments(p) -> None:
                    help="a peer row, timed in the same alternation: llamacpp, llama.cpp's full prefill of the GGUF "
                         "the primary was converted from (optional `peers` extra)")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--cold", action="store_true",
+                   help="the first request after loading: per mode a fresh process, with and without warm_up, answers "
+                        f"the request {cold.REPEATS} times; the first TTFT over the median of the rest")
     h.out_flags(p, "-breakdown, -ratio")
 
 
 def measure(args) -> h.Report:
+    if args.cold:
+        return _cold(args)
     report = h.Report()
     engine = h.engine(args)
     peers = open_peers(args.peer or [], args.primary, max(args.lengths) + 512)
@@ -48,6 +53,15 @@ def measure(args) -> h.Report:
     report.json = lambda path: ttft.write_json(rows, path, machine())
     report.plot = lambda path: ttft.plot(rows, path)
     return report
+
+
+def _cold(args) -> h.Report:
+    modes = h.mode_list(args.modes or ["full", "reuse", "cacheclip"], args.ratios or [0.2])
+    with h.engine(args) as engine:  # the requests go into the store once, before any fresh process
+        for length in args.lengths:
+            cold.prepare(engine, length)
+    rows = cold.run(args, args.lengths, modes)
+    return h.Report([cold.table(rows)], json=lambda path: cold.write_json(rows, path, machine()))
 
 
 def open_peers(kinds: list[str], primary: str, n_ctx: int) -> dict:
