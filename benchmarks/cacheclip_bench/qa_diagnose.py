@@ -39,11 +39,11 @@ from cacheclip_rag.analysis import (
     QAExample,
     kl_positions,
     reference,
-    rows_attention,
     top1_agreement,
 )
 
 from .fidelity import row_modes
+from .fidelity_qa import attention_reader
 from .metrics import best_of, token_f1
 from .needle import label, ratio_order, request_for
 from .qa import answer_of, spans_of
@@ -116,15 +116,9 @@ def question(engine: CacheClipEngine, index: int, ex: QAExample, ids: list[str],
     """One question's diagnosis; None where full attention answers nothing."""
     lm = engine.primary.lm
     layout = engine.prepare(ex.question, ids, mode="full").layout
-    chunk_rows, query_start = layout.chunk_rows(), layout.chunk_segments()[-1].end
+    chunk_rows = layout.chunk_rows()
     per_layer: list[torch.Tensor] = []
-
-    def observe(layer: int, q: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> None:
-        wanted = (rows >= query_start) & (rows < layout.num_tokens)  # the query, not the forced answer
-        attention = rows_attention(lm, layer, q[:, :, wanted], keys, rows[wanted], layout.num_tokens, heads="max")
-        on_chunks = attention[chunk_rows.to(attention.device)].cpu()
-        per_layer.append(on_chunks / on_chunks.sum().clamp_min(1e-12))
-
+    observe = attention_reader(engine, ex.question, ids, per_layer)
     ref = reference(engine, ex.question, ids, answer_tokens, observe=observe)
     if ref is None:
         log.warning("question %d: full attention answered nothing; skipped", index)
