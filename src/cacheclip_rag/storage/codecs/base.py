@@ -49,7 +49,7 @@ store, else takes `AUTO_CODEC`."""
 AUTO_CODEC = "int8"
 """What "auto" gives a model's caches new to a store: `cacheclip bench store` measured int8 at
 1.93x fewer bytes than bf16, its KL to full attention inside bf16's interval, and `bench ttft`
-a cold read no slower than a bf16 store's before the codecs (docs/benchmarks.md, section 8)."""
+a cold read no slower than a bf16 store's before the codecs (docs/benchmarks.md, section 9)."""
 
 
 def register(codec: Codec) -> None:
