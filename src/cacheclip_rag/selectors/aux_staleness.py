@@ -105,21 +105,25 @@ def joint_pass(aux: LoadedModel, ids: torch.Tensor, layers: int) -> Iterator[tup
         h = fam.finish(layer, h, out)
 
 
+def _span_chars(offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The characters of every token's span [start, end), all tokens at once: (character index,
+    the token it belongs to), each [sum of span lengths]. offsets [L, 2]; empty spans add none."""
+    lengths = (offsets[:, 1] - offsets[:, 0]).clamp(min=0)
+    owner = torch.repeat_interleave(torch.arange(offsets.shape[0]), lengths)
+    first = torch.cumsum(lengths, 0) - lengths  # where each token's characters start in the flat list
+    return offsets[owner, 0] + torch.arange(owner.numel()) - first[owner], owner
+
+
 def to_primary(aux_offsets: torch.Tensor, aux_scores: torch.Tensor, primary_offsets: torch.Tensor,
                n_chars: int) -> torch.Tensor:
     """[Lp] each primary token's score: the highest of the aux tokens its character span overlaps
     (0 where none does). aux_offsets [La, 2], aux_scores [La], primary_offsets [Lp, 2]."""
     chars = torch.zeros(n_chars + 1)
-    spans = (aux_offsets[:, 1] - aux_offsets[:, 0]).clamp(min=0)
-    if int(spans.sum()):
-        idx = torch.cat([torch.arange(int(s), int(e)) for s, e in aux_offsets.tolist() if e > s])
-        chars.scatter_reduce_(0, idx.clamp(max=n_chars), torch.repeat_interleave(aux_scores.float(), spans), "amax")
-    lengths = (primary_offsets[:, 1] - primary_offsets[:, 0]).clamp(min=0)
+    idx, owner = _span_chars(aux_offsets)
+    chars.scatter_reduce_(0, idx.clamp(max=n_chars), aux_scores.float()[owner], "amax")
     out = torch.zeros(primary_offsets.shape[0])
-    if int(lengths.sum()):
-        idx = torch.cat([torch.arange(int(s), int(e)) for s, e in primary_offsets.tolist() if e > s])
-        owner = torch.repeat_interleave(torch.arange(primary_offsets.shape[0]), lengths)
-        out.scatter_reduce_(0, owner, chars[idx.clamp(max=n_chars)], "amax")
+    idx, owner = _span_chars(primary_offsets)
+    out.scatter_reduce_(0, owner, chars[idx.clamp(max=n_chars)], "amax")
     return out
 
 
