@@ -43,7 +43,7 @@ from cacheclip_rag.analysis import (
 )
 
 from . import frontier
-from .deviation import rows_deviation
+from .deviation import rows_deviation, top_rows
 from .fidelity import mode_rows, row_modes
 from .journal import Journal, pool, read_rows
 from .needle import label, ratio_order
@@ -192,12 +192,6 @@ def ceiling_scores(ref, attention: torch.Tensor, names: Sequence[str]) -> dict[s
                 raise ValueError(f"{name}: the primary has layers 0..{per_layer.shape[0] - 1}")
             out[name] = per_layer[layer]
     return {n: out[n] for n in names}
-
-
-def top_rows(chunk_rows: torch.Tensor, scores: torch.Tensor, ratio: float) -> torch.Tensor:
-    """[S] sorted: the round(ratio * C) chunk rows with the highest scores [C]."""
-    k = round(ratio * chunk_rows.numel())
-    return chunk_rows[torch.topk(scores, k).indices].sort().values
 
 
 def replay(engine: CacheClipEngine, ref, rows: torch.Tensor, base: dict, mode: str, ratio: float,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from cacheclip_rag import EngineConfig
 from cacheclip_rag.analysis import engine_from_args, progress_bar, qa_data
 
 from .. import fidelity, fidelity_qa
@@ -95,7 +94,7 @@ def _real(args) -> h.Report:
         engine = engine_from_args(args, prompt=prompt)
         answer_tokens = args.max_new_tokens or 32
         journal = h.journal(args, engine, data=Path(args.data).name, format=data.format, questions=len(data.examples),
-                            prompt=dataclasses.asdict(engine.config.prompt or EngineConfig().prompt),
+                            prompt=dataclasses.asdict(engine.config.prompt),
                             chunk=dataclasses.asdict(engine.config.chunk), answer_tokens=answer_tokens,
                             budget=args.budget, bench="fidelity")
         print(f"{len(items)} questions of {args.data} ({data.format}; index {items[0][0]}..{items[-1][0]}), "
