@@ -170,3 +170,18 @@ def test_a_new_store_uses_the_shipped_calibrated_profile(pair, tmp_path):
         (length,) = profile["lengths"]
         assert engine.profiles.settings(length).score_layers == tuple(profile["aux_layers"])
         assert engine.profiles.settings(length).head_agg == profile["head_agg"]
+
+
+def test_the_demo_asks_one_question_over_4k_tokens_whose_answer_the_long_documents_hold(pair):
+    """`cacheclip demo`'s whole-corpus question: long enough for reuse's saving to show with the
+    default primary's tokenizer, and answerable from the documents (its two hops are both there)."""
+    from cacheclip_rag.cli.demo import demo_long_documents, demo_questions
+
+    primary, _ = pair
+    docs = demo_documents() + demo_long_documents()
+    assert sum(len(tokenize(primary, d["text"])[0]) for d in docs) >= 4000
+    whole = [q for q in demo_questions() if q.get("context") == "all"]
+    assert len(whole) == 1
+    text = " ".join(d["text"] for d in docs)
+    assert "Marta Solheim led the work" in text and "captain of the ferry Nordlys" in text
+    assert all(a in text for a in whole[0]["answers"])

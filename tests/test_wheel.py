@@ -28,6 +28,7 @@ SOURCE_ROOTS = ("src", "kernels", "integrations")
 the folder (src/cacheclip_rag/x.py -> cacheclip_rag/x.py)."""
 
 DATA = ["cacheclip_rag/serving/web/index.html", "cacheclip_rag/data/demo_corpus.jsonl",
+        "cacheclip_rag/data/demo_long.jsonl",
         "cacheclip_rag/data/profiles/qwen2.5-coder-0.5b-instruct+smollm2-135m-instruct.json",
         "cacheclip_rag/data/packets/qwen2.5-coder-0.5b-instruct.safetensors",
         "cacheclip_rag/data/lora/qwen2.5-coder-0.5b-instruct-lora/adapter_model.safetensors"]

@@ -18,7 +18,7 @@ from .common import (
     read_documents,
     request_options,
 )
-from .demo import demo_documents, demo_questions
+from .demo import demo_documents, demo_long_documents, demo_questions
 
 
 def cmd_ingest(args) -> int:
@@ -65,7 +65,7 @@ def cmd_ask(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    docs, questions = demo_documents(), demo_questions()
+    docs, questions = demo_documents() + demo_long_documents(), demo_questions()
     args.store = args.store or str(cache_dir() / "demo-store")
     engine = engine_from_args(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=16))
     start = time.perf_counter()
@@ -74,19 +74,25 @@ def cmd_demo(args) -> int:
     print(f"corpus: {len(docs)} documents -> {len(set(ids))} chunks, ingested in {time.perf_counter() - start:.1f}s (store {args.store})")
     print(f"warm-up: {engine.warm_up():.1f}s, untimed (what a first request would pay once: threads, kernels, the "
           "weights' first touch)\n")
+    everything = list(dict.fromkeys(ids))
     for q in questions:
-        answer = engine.answer(q["question"], mode="cacheclip", recompute_ratio=args.ratio, max_new_tokens=48)
+        chunk_ids = everything if q.get("context") == "all" else None  # None: retrieve
+        answer = engine.answer(q["question"], chunk_ids=chunk_ids, mode=args.mode, recompute_ratio=args.ratio,
+                               max_new_tokens=48)
         full = engine.answer(q["question"], chunk_ids=answer.chunk_ids, mode="full", max_new_tokens=48)
         sources = [engine.store.get_chunk(cid).source for cid in answer.chunk_ids]
         found = _found(q["answers"], answer.text)
-        print(f"Q ({q.get('hops', 1)}-chunk): {q['question']}")
+        where = "every chunk of the demo" if chunk_ids else "retrieved chunks"
+        print(f"Q ({q.get('hops', 1)}-chunk; {answer.context_tokens} context tokens, {where}): {q['question']}")
         print(f"A: {answer.text}")
         print(f"   expected {q['answers']} -> {'found' if found else 'NOT found'}; full mode said: {full.text}")
         if not found and _found(q["answers"], full.text):
-            print(f"   {_ratio_needed(engine, q, answer.chunk_ids, args.ratio)}")
-        print(f"   chunks: {', '.join(f'{c} ({s})' for c, s in zip(answer.chunk_ids, sources))}")
-        print(f"   cacheclip ratio {args.ratio} (effective {100 * answer.effective_fraction:.1f}%): {fmt_timings(answer.timings)}")
-        print(f"   full-mode TTFT {full.timings['ttft']:.3f}s -> cacheclip TTFT is {answer.timings['ttft'] / full.timings['ttft']:.2f}x of full\n")
+            print(f"   {_ratio_needed(engine, q, answer.chunk_ids, args.mode, args.ratio)}")
+        if not chunk_ids:
+            print(f"   chunks: {', '.join(f'{c} ({s})' for c, s in zip(answer.chunk_ids, sources))}")
+        print(f"   {args.mode} ratio {args.ratio} (effective {100 * answer.effective_fraction:.1f}%): {fmt_timings(answer.timings)}")
+        print(f"   full-mode TTFT {full.timings['ttft']:.3f}s -> {args.mode} TTFT is "
+              f"{answer.timings['ttft'] / full.timings['ttft']:.2f}x of full\n")
     return 0
 
 
@@ -94,17 +100,17 @@ def _found(answers: list[str], text: str) -> bool:
     return all(a.lower() in text.lower() for a in answers)
 
 
-def _ratio_needed(engine, q: dict, chunk_ids: list[str], ratio: float) -> str:
-    """For a demo question full attention answers and CacheClip at `ratio` does not: the
+def _ratio_needed(engine, q: dict, chunk_ids: list[str], mode: str, ratio: float) -> str:
+    """For a demo question full attention answers and `mode` at `ratio` does not: the
     smallest of a few higher ratios at which it does, measured on the same request."""
     for higher in (0.3, 0.4, 0.5, 0.6, 0.8):
         if higher <= ratio:
             continue
-        again = engine.answer(q["question"], chunk_ids=chunk_ids, mode="cacheclip", recompute_ratio=higher, max_new_tokens=48)
+        again = engine.answer(q["question"], chunk_ids=chunk_ids, mode=mode, recompute_ratio=higher, max_new_tokens=48)
         if _found(q["answers"], again.text):
             return (f"measured: at ratio {ratio} the reused caches are not repaired enough for this question; "
-                    f"at {higher} (effective {100 * again.effective_fraction:.1f}%) cacheclip answers it: {again.text}")
-    return "measured: cacheclip does not answer it at ratios up to 0.8; full attention does"
+                    f"at {higher} (effective {100 * again.effective_fraction:.1f}%) {mode} answers it: {again.text}")
+    return f"measured: {mode} does not answer it at ratios up to 0.8; full attention does"
 
 
 def add_commands(sub) -> None:
@@ -132,6 +138,7 @@ def add_commands(sub) -> None:
 
     p = sub.add_parser("demo", help="ingest the shipped corpus and answer its questions")
     add_common(p, store_default=None)
+    p.add_argument("--mode", choices=registry.modes(), default="cacheclip", help="the method the demo compares with full")
     p.add_argument("--ratio", type=float, default=DEFAULTS.recompute_ratio)
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.set_defaults(func=cmd_demo)
