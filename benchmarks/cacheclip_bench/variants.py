@@ -24,7 +24,8 @@ both of the first two.
 
 `cacheclip-stale-l1`, `-l6`, `-lall`: the aux staleness read over the first 1, 6 or every aux
 layer instead of `SelectConfig.stale_layers`; `cacheclip-stale-k`, `-v`: of K or V alone;
-`cascade-x2`, `-x4`: the cascade proposing 2 or 4 times the budget. What calibration of the
+`cascade-x2`, `-x4`: the cascade proposing 2 or 4 times the budget; `cascade-l1`: its proposals
+read from the aux's first layer alone (a third of the aux pass). What calibration of the
 staleness selectors chooses between, on the same questions (`bench fidelity --data`).
 
 `cacheclip-passage`: whole passages instead of scattered tokens. The aux query reads every chunk
@@ -149,3 +150,4 @@ register(CacheClipWith("cacheclip-stale-k", CacheClipStale(), stale_on="k"))
 register(CacheClipWith("cacheclip-stale-v", CacheClipStale(), stale_on="v"))
 register(CacheClipWith("cascade-x2", Cascade(), cascade_factor=2.0))
 register(CacheClipWith("cascade-x4", Cascade(), cascade_factor=4.0))
+register(CacheClipWith("cascade-l1", Cascade(), stale_layers=1))
