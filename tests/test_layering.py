@@ -1,7 +1,7 @@
 """The module graph: layers in one direction, no import cycles, no private reach-ins.
 
 A module's layer is its folder (`cacheclip_rag/<layer>/...`); the package's top-level modules are
-the base (config, hardware, paths: what every layer shares) and the facade (the engine and the
+the base (config, select_config, hardware, paths: what every layer shares) and the facade (the engine and the
 package's public names). Layers, lowest first:
 
     base < models, storage < corpus < request < selectors < engine < offline < serving < cli
@@ -35,7 +35,7 @@ PACKAGES = {
 }
 RANK = {"base": 0, "models": 1, "storage": 1, "corpus": 2, "request": 3, "selectors": 4, "engine": 5, "offline": 6,
         "serving": 7, "cli": 8, "analysis": 9, "harness": 10}
-BASE = {"config", "hardware", "paths"}
+BASE = {"config", "select_config", "hardware", "paths"}
 FACADE = {"engine"}
 SEAM = "analysis"
 HARNESS_DOORS = {"cacheclip_rag", "cacheclip_rag.analysis"}

@@ -11,11 +11,16 @@ from dataclasses import dataclass, field
 import torch
 
 from .hardware import DTYPES, resolve_device, resolve_dtype
-
-
-def _check_positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+from .select_config import (  # noqa: F401  (re-exported: the selection settings are part of the engine config)
+    AUX_CONTEXTS,
+    BUDGETS,
+    DEFAULT_AUTO_SHARE,
+    SCORING_CHOICES,
+    STALE_DEFAULTS,
+    STALE_ON,
+    SelectConfig,
+    check_positive,
+)
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,7 @@ class IndexConfig:
         if self.kind not in ("auto", "flat", "ivf", "hnsw"):
             raise ValueError(f"index kind must be 'auto', 'flat', 'ivf' or 'hnsw', got {self.kind!r}")
         for name in ("approximate_from", "nprobe", "ef_search"):
-            _check_positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         if not isinstance(self.compact_share, (int, float)) or not 0 < self.compact_share:
             raise ValueError(f"compact_share must be a positive share of the base index, got {self.compact_share!r}")
 
@@ -53,99 +58,9 @@ class ChunkConfig:
     overlap_tokens: int = 16
 
     def __post_init__(self) -> None:
-        _check_positive("chunk_tokens", self.chunk_tokens)
+        check_positive("chunk_tokens", self.chunk_tokens)
         if not isinstance(self.overlap_tokens, int) or not 0 <= self.overlap_tokens < self.chunk_tokens:
             raise ValueError(f"overlap_tokens must be in [0, chunk_tokens={self.chunk_tokens}), got {self.overlap_tokens!r}")
-
-
-AUX_CONTEXTS = ("chunk", "joint")
-
-SCORING_CHOICES = {"head_agg": ("mean", "max"), "row_agg": ("mean", "max"), "normalize": ("none", "chunk"),
-                   "context": AUX_CONTEXTS}
-"""The values each aggregation setting of the aux scoring may take (`SelectConfig`, `profile.Profile`)."""
-
-DEFAULT_AUTO_SHARE = 0.5
-"""The aux attention mass recompute_ratio="auto" covers where no calibrated profile sets one."""
-
-
-@dataclass(frozen=True)
-class SelectConfig:
-    """CacheClip token selection: how aux attention becomes one score per token, and grouping.
-
-    score_layers: aux layers whose query-to-chunk attention is averaged; None means the model
-        pair's calibrated profile when the store has one, else the last layer (the paper's choice).
-    head_agg, row_agg: aggregation over heads and over query rows ("mean" or "max").
-    normalize: "none" keeps each chunk's scores as the softmax gave them (each chunk had its own
-        softmax over prefix + chunk + query); "chunk" rescales each chunk's scores to sum 1.
-    For each of these five, None means: the calibrated profile's choice, else the default
-    (last layer, "mean", "mean", "none", "chunk"); a value set here overrides the profile.
-    context: what the aux query reads when it scores. "chunk" (the paper): each chunk with the
-        query, as a batch, one softmax per chunk; "joint": every chunk at once at its assembled
-        position, one softmax over all of them; the query runs once instead of once per chunk
-        and carries what one chunk says into its reading of the next. "joint" needs the whole
-        request within the aux model's positions; a longer one is scored per chunk.
-    window, tau: grouping window w and density threshold tau (paper defaults 8 and 5).
-    auto_share, auto_floor, auto_cap: recompute_ratio="auto" recomputes the fewest top-scored
-        tokens that hold `auto_share` of the aux attention mass on the chunks, as a fraction of
-        the chunk tokens kept within [auto_floor, auto_cap]; auto_share None: the calibrated
-        profile's, else `DEFAULT_AUTO_SHARE`.
-    chunk_start_tokens: also recompute the first n tokens of every chunk (experimental, default
-        0): each chunk was prefilled as the start of its own sequence, so its first tokens carry
-        attention-sink K/V that full attention would not have there (EPIC's argument). They are
-        added to the selection and counted in the effective fraction.
-    stale_layers, stale_on, stale_target, cascade_factor: the staleness selectors
-        (`selectors/aux_staleness.py`): aux layers read, K/V/both, the staleness per row "auto"
-        may leave, how many times the budget `cascade` proposes.
-    """
-
-    score_layers: tuple[int, ...] | None = None
-    head_agg: str | None = None
-    row_agg: str | None = None
-    normalize: str | None = None
-    context: str | None = None
-    window: int = 8
-    tau: int = 5
-    chunk_start_tokens: int = 0
-    auto_share: float | None = None
-    auto_floor: float = 0.05
-    auto_cap: float = 0.5
-    stale_layers: int = 3
-    stale_on: str = "kv"
-    stale_target: float = 0.025
-    cascade_factor: float = 2.5
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.chunk_start_tokens, int) or isinstance(self.chunk_start_tokens, bool) \
-                or self.chunk_start_tokens < 0:
-            raise ValueError(f"chunk_start_tokens must be a non-negative integer, got {self.chunk_start_tokens!r}")
-        _check_positive("window", self.window)
-        _check_positive("tau", self.tau)
-        if self.tau > self.window:
-            raise ValueError(f"tau must be <= window ({self.window}), got {self.tau}")
-        if self.score_layers is not None:
-            if isinstance(self.score_layers, int) or not self.score_layers or not all(
-                isinstance(x, int) and not isinstance(x, bool) for x in self.score_layers
-            ):
-                raise ValueError(f"score_layers must be a non-empty tuple of layer indices or None, got {self.score_layers!r}")
-            object.__setattr__(self, "score_layers", tuple(self.score_layers))
-        for name in ("auto_share", "auto_floor", "auto_cap", "stale_target"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not 0.0 < value <= 1.0):
-                raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
-        _check_positive("stale_layers", self.stale_layers)
-        if isinstance(self.cascade_factor, bool) or not isinstance(self.cascade_factor, (int, float)) or self.cascade_factor < 1:
-            raise ValueError(f"cascade_factor must be a number >= 1, got {self.cascade_factor!r}")
-        if self.auto_floor > self.auto_cap:
-            raise ValueError(f"auto_floor ({self.auto_floor}) must not exceed auto_cap ({self.auto_cap})")
-        for name, allowed in {**SCORING_CHOICES, "stale_on": ("k", "v", "kv")}.items():
-            if getattr(self, name) not in (*allowed, None):
-                raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
-
-
-BUDGETS = ("paper", "keep")
-"""paper: top-k candidates, then grouping, whatever remains. keep: candidates are added in
-score order until the grouped set reaches the requested fraction."""
 
 
 @dataclass(frozen=True)
@@ -320,7 +235,7 @@ class ModelConfig:
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.threads is not None:
-            _check_positive("threads", self.threads)
+            check_positive("threads", self.threads)
         for name in ("primary_device", "aux_device"):
             value = getattr(self, name)
             if value != "auto":
@@ -367,7 +282,7 @@ class EngineConfig:
     any), a .safetensors file from `cacheclip train packet`, or None (packet modes off)."""
 
     def __post_init__(self) -> None:
-        _check_positive("top_k", self.top_k)
+        check_positive("top_k", self.top_k)
         if self.packets is not None and (not isinstance(self.packets, str) or not self.packets):
             raise ValueError(f"packets must be 'auto', a path to an adapter file, or None, got {self.packets!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):

@@ -73,3 +73,24 @@ def test_the_1_5b_pair_ships_its_own_profile():
     assert shipped[1].aux_layers == (18,)  # 4K requests score with an earlier layer than 2K ones
     assert shipped[0].aux_layers == (21, 22) != profile_source.shipped("qwen2.5-coder-0.5b-instruct",
                                                                   "smollm2-135m-instruct")[0].aux_layers
+
+
+def test_the_staleness_settings_come_from_the_config_else_the_profile_else_the_defaults():
+    from cacheclip_rag.config import STALE_DEFAULTS
+
+    p = Profile(primary="p", aux="a", aux_layers=(5,), stale_layers=1, stale_on="v", cascade_factor=4.0)
+    assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    cfg = profile_source.resolve(SelectConfig(stale_on="k"), p)
+    assert (cfg.stale_layers, cfg.stale_on, cfg.cascade_factor) == (1, "k", 4.0)
+    bare = profile_source.resolve(SelectConfig(), Profile(primary="p", aux="a", aux_layers=(5,)))
+    assert {name: getattr(bare, name) for name in STALE_DEFAULTS} == STALE_DEFAULTS
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("stale_layers", 0, "profile stale_layers must be a positive integer, got 0"),
+    ("stale_on", "q", r"profile stale_on must be one of \['k', 'v', 'kv'\] or absent, got 'q'"),
+    ("cascade_factor", 0.5, "profile cascade_factor must be a number >= 1, got 0.5"),
+])
+def test_a_bad_staleness_setting_in_a_profile_is_refused_naming_it(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        Profile.from_dict({"primary": "p", "aux": "a", "aux_layers": [1], field: value})

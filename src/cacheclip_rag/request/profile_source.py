@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..config import DEFAULT_AUTO_SHARE, SelectConfig
+from ..config import DEFAULT_AUTO_SHARE, STALE_DEFAULTS, SelectConfig
 from ..models import lora
 from ..models.loading import EMBEDDED, LoadedModel
 from ..storage.profiles import Profile, parse
@@ -41,7 +41,8 @@ def nearest(profiles: Iterable[Profile], n_tokens: int | None = None) -> Profile
 
 def resolve(cfg: SelectConfig, profile: Profile | None) -> SelectConfig:
     """`cfg` with every scoring field set: its own value, else the profile's, else the default
-    (last layer, "mean", "mean", "none", "chunk"; auto_share `DEFAULT_AUTO_SHARE`)."""
+    (last layer, "mean", "mean", "none", "chunk"; auto_share `DEFAULT_AUTO_SHARE`; the staleness
+    settings `STALE_DEFAULTS`)."""
     def pick(name: str, default: str) -> str:
         return getattr(cfg, name) or (getattr(profile, name) if profile else None) or default
 
@@ -49,7 +50,8 @@ def resolve(cfg: SelectConfig, profile: Profile | None) -> SelectConfig:
     share = cfg.auto_share or (profile.auto_share if profile else None) or DEFAULT_AUTO_SHARE
     return dataclasses.replace(cfg, score_layers=tuple(layers), head_agg=pick("head_agg", "mean"),
                                row_agg=pick("row_agg", "mean"), normalize=pick("normalize", "none"),
-                               context=pick("context", "chunk"), auto_share=share)
+                               context=pick("context", "chunk"), auto_share=share,
+                               **{name: pick(name, default) for name, default in STALE_DEFAULTS.items()})
 
 
 def shipped(primary_name: str, aux_name: str) -> list[Profile]:

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from ..config import SCORING_CHOICES
+from ..config import SCORING_CHOICES, STALE_ON
+from ..select_config import check_stale
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ class Profile:
     lengths: the request lengths (tokens) of the calibration inputs.
     auto_share: the aux attention mass recompute_ratio="auto" covers (`auto_share.calibrate_share`:
         the share whose mean recomputed fraction on calibration inputs equals a fixed ratio's).
+    stale_layers, stale_on, cascade_factor: the staleness selectors' settings for this pair
+        (`SelectConfig`'s fields of those names, chosen by `cacheclip bench fidelity`), or None.
     source: "store", "shipped", or "shipped for the base primary" (a tuned primary's fallback).
     measured: what calibration measured (criterion, kl, baselines, ...), for reports only.
     """
@@ -51,6 +54,9 @@ class Profile:
     context: str = "chunk"
     lengths: tuple[int, ...] = (DEFAULT_LENGTH,)
     auto_share: float | None = None
+    stale_layers: int | None = None
+    stale_on: str | None = None
+    cascade_factor: float | None = None
     primary_name: str = ""
     aux_name: str = ""
     created: str = ""
@@ -70,6 +76,9 @@ class Profile:
         share = self.auto_share
         if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1):
             raise ValueError(f"profile auto_share must be a number in (0, 1] or absent, got {share!r}")
+        check_stale(self.stale_layers, self.cascade_factor, "profile ")
+        if self.stale_on not in (*STALE_ON, None):
+            raise ValueError(f"profile stale_on must be one of {list(STALE_ON)} or absent, got {self.stale_on!r}")
         object.__setattr__(self, "measured", MappingProxyType(dict(self.measured)))
 
     @property
@@ -84,8 +93,10 @@ class Profile:
 
     def describe(self) -> str:
         """One line of its settings, for the CLI."""
+        stale = "".join(f", {name} {getattr(self, name)}" for name in ("stale_layers", "stale_on", "cascade_factor")
+                        if getattr(self, name) is not None)
         return (f"aux layers {list(self.aux_layers)}, heads {self.head_agg}, rows {self.row_agg}, "
-                f"normalize {self.normalize}, context {self.context}")
+                f"normalize {self.normalize}, context {self.context}{stale}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str | None = None) -> Profile:
