@@ -84,6 +84,9 @@ def test_the_staleness_settings_come_from_the_config_else_the_profile_else_the_d
     assert (cfg.stale_layers, cfg.stale_on, cfg.cascade_factor) == (1, "k", 4.0)
     bare = profile_source.resolve(SelectConfig(), Profile(primary="p", aux="a", aux_layers=(5,)))
     assert {name: getattr(bare, name) for name in STALE_DEFAULTS} == STALE_DEFAULTS
+    for shipped in profile_source.shipped("qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"):  # calibrated
+        assert (shipped.stale_layers, shipped.stale_on, shipped.cascade_factor) == (3, "kv", 2.5)
+        assert "stale_calibration" in shipped.measured
 
 
 @pytest.mark.parametrize("field, value, message", [
