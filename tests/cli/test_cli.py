@@ -126,3 +126,12 @@ def test_store_stats_names_the_shipped_profiles_of_an_embedded_pair():
     assert "qwen2.5-coder-1.5b-instruct + smollm2-135m-instruct scores with the package's profiles" in line
     assert "[2048, 4096]" in line
     assert "last layer" in shipped_profile_lines([{"role": "primary", "model": "my-model"}, pair[1]])[0]
+
+
+def test_an_aux_folder_without_a_model_is_refused_naming_it(folders, tmp_path, capsys):
+    empty = tmp_path / "no-model-here"
+    empty.mkdir()
+    args = ["--store", str(tmp_path / "s"), "--primary", folders[0], "--aux", str(empty)]
+    assert main(["ask", "what is the code?", "--mode", "cacheclip-stale", *args]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot load model {str(empty)!r}: the folder holds no config.json" in err and "a local model folder" in err

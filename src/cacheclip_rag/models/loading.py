@@ -286,6 +286,9 @@ def load(name: str, cfg: ModelConfig | None = None, role: str = "primary") -> Lo
     device = cfg.device(role)
     dtype = cfg.torch_dtype(device=device)
     source = resolve(name, dtype)
+    if Path(source).is_dir() and not (Path(source) / "config.json").is_file():
+        raise ValueError(f"cannot load model {name!r}: the folder holds no config.json (expected an embedded name "
+                         f"{sorted(EMBEDDED)}, a local model folder, or a hub id already in the local cache)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
