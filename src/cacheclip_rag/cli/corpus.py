@@ -65,35 +65,44 @@ def cmd_ask(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    docs, questions = demo_documents() + demo_long_documents(), demo_questions()
+    short, long, questions = demo_documents(), demo_long_documents(), demo_questions()
     args.store = args.store or str(cache_dir() / "demo-store")
     engine = engine_from_args(args, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap_tokens=16))
     start = time.perf_counter()
-    ids = engine.ingest(docs, progress=True)
+    short_ids, long_ids = engine.ingest(short, progress=True), engine.ingest(long, progress=True)
+    everything = list(dict.fromkeys(short_ids + long_ids))
     print(f"{describe_cpu()}; models compute in {str(engine.primary.lm.dtype).removeprefix('torch.')}")
-    print(f"corpus: {len(docs)} documents -> {len(set(ids))} chunks, ingested in {time.perf_counter() - start:.1f}s (store {args.store})")
+    print(f"corpus: {len(short) + len(long)} documents -> {len(everything)} chunks, ingested in "
+          f"{time.perf_counter() - start:.1f}s (store {args.store})")
     print(f"warm-up: {engine.warm_up():.1f}s, untimed (what a first request would pay once: threads, kernels, the "
           "weights' first touch)\n")
-    everything = list(dict.fromkeys(ids))
     for q in questions:
-        chunk_ids = everything if q.get("context") == "all" else None  # None: retrieve
+        whole = q.get("context") == "all"
+        chunk_ids = everything if whole else _retrieved_among(engine, q["question"], set(short_ids))
         answer = engine.answer(q["question"], chunk_ids=chunk_ids, mode=args.mode, recompute_ratio=args.ratio,
                                max_new_tokens=48)
         full = engine.answer(q["question"], chunk_ids=answer.chunk_ids, mode="full", max_new_tokens=48)
         sources = [engine.store.get_chunk(cid).source for cid in answer.chunk_ids]
         found = _found(q["answers"], answer.text)
-        where = "every chunk of the demo" if chunk_ids else "retrieved chunks"
+        where = "every chunk of the demo" if whole else "retrieved chunks"
         print(f"Q ({q.get('hops', 1)}-chunk; {answer.context_tokens} context tokens, {where}): {q['question']}")
         print(f"A: {answer.text}")
         print(f"   expected {q['answers']} -> {'found' if found else 'NOT found'}; full mode said: {full.text}")
         if not found and _found(q["answers"], full.text):
             print(f"   {_ratio_needed(engine, q, answer.chunk_ids, args.mode, args.ratio)}")
-        if not chunk_ids:
+        if not whole:
             print(f"   chunks: {', '.join(f'{c} ({s})' for c, s in zip(answer.chunk_ids, sources))}")
         print(f"   {args.mode} ratio {args.ratio} (effective {100 * answer.effective_fraction:.1f}%): {fmt_timings(answer.timings)}")
         print(f"   full-mode TTFT {full.timings['ttft']:.3f}s -> {args.mode} TTFT is "
               f"{answer.timings['ttft'] / full.timings['ttft']:.2f}x of full\n")
     return 0
+
+
+def _retrieved_among(engine, question: str, pool: set[str]) -> list[str]:
+    """The engine's top-k chunks for `question` among `pool` (the short corpus: its questions are
+    retrieved over it alone, as before the long documents joined the demo's store)."""
+    ranked = engine.retrieve(question, k=len(engine.store.chunk_ids()))
+    return [cid for cid, _ in ranked if cid in pool][:engine.config.top_k]
 
 
 def _found(answers: list[str], text: str) -> bool:
