@@ -14,11 +14,13 @@ def check_positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def check_stale(layers, factor, what: str = "") -> None:
-    """Refuse stale_layers other than a positive integer and a cascade_factor below 1 (None: unset);
-    `what` prefixes the setting's name in the message ("profile ")."""
+def check_stale(layers, on, factor, what: str = "") -> None:
+    """Refuse stale_layers other than a positive integer, stale_on other than `STALE_ON` and a
+    cascade_factor below 1 (None: unset); `what` prefixes the setting's name ("profile ")."""
     if layers is not None:
         check_positive(f"{what}stale_layers", layers)
+    if on not in (*STALE_ON, None):
+        raise ValueError(f"{what}stale_on must be one of {list(STALE_ON)} or absent, got {on!r}")
     if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1):
         raise ValueError(f"{what}cascade_factor must be a number >= 1, got {factor!r}")
 
@@ -105,10 +107,10 @@ class SelectConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not 0.0 < value <= 1.0):
                 raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
-        check_stale(self.stale_layers, self.cascade_factor)
+        check_stale(self.stale_layers, self.stale_on, self.cascade_factor)
         if self.auto_floor > self.auto_cap:
             raise ValueError(f"auto_floor ({self.auto_floor}) must not exceed auto_cap ({self.auto_cap})")
-        for name, allowed in {**SCORING_CHOICES, "stale_on": STALE_ON}.items():
+        for name, allowed in SCORING_CHOICES.items():
             if getattr(self, name) not in (*allowed, None):
                 raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
 

@@ -82,7 +82,6 @@ def cmd_demo(args) -> int:
         answer = engine.answer(q["question"], chunk_ids=chunk_ids, mode=args.mode, recompute_ratio=args.ratio,
                                max_new_tokens=48)
         full = engine.answer(q["question"], chunk_ids=answer.chunk_ids, mode="full", max_new_tokens=48)
-        sources = [engine.store.get_chunk(cid).source for cid in answer.chunk_ids]
         found = _found(q["answers"], answer.text)
         where = "every chunk of the demo" if whole else "retrieved chunks"
         print(f"Q ({q.get('hops', 1)}-chunk; {answer.context_tokens} context tokens, {where}): {q['question']}")
@@ -91,6 +90,7 @@ def cmd_demo(args) -> int:
         if not found and _found(q["answers"], full.text):
             print(f"   {_ratio_needed(engine, q, answer.chunk_ids, args.mode, args.ratio)}")
         if not whole:
+            sources = [engine.store.get_chunk(cid).source for cid in answer.chunk_ids]
             print(f"   chunks: {', '.join(f'{c} ({s})' for c, s in zip(answer.chunk_ids, sources))}")
         print(f"   {args.mode} ratio {args.ratio} (effective {100 * answer.effective_fraction:.1f}%): {fmt_timings(answer.timings)}")
         print(f"   full-mode TTFT {full.timings['ttft']:.3f}s -> {args.mode} TTFT is "

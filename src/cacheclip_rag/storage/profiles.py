@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from ..config import SCORING_CHOICES, STALE_ON
+from ..config import SCORING_CHOICES
 from ..select_config import check_stale
 
 log = logging.getLogger(__name__)
@@ -76,9 +76,7 @@ class Profile:
         share = self.auto_share
         if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1):
             raise ValueError(f"profile auto_share must be a number in (0, 1] or absent, got {share!r}")
-        check_stale(self.stale_layers, self.cascade_factor, "profile ")
-        if self.stale_on not in (*STALE_ON, None):
-            raise ValueError(f"profile stale_on must be one of {list(STALE_ON)} or absent, got {self.stale_on!r}")
+        check_stale(self.stale_layers, self.stale_on, self.cascade_factor, "profile ")
         object.__setattr__(self, "measured", MappingProxyType(dict(self.measured)))
 
     @property
