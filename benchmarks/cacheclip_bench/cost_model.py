@@ -45,17 +45,32 @@ class Shape:
         return attn + 3 * self.hidden * self.intermediate
 
 
-def macs(shape: Shape, positions: torch.Tensor) -> float:
-    """Multiply-accumulates of computing the rows at sequence positions `positions` [R] through
-    every layer, each attending to the keys at positions <= its own (within the layer's window)."""
+def parts(shape: Shape, positions: torch.Tensor) -> tuple[float, float]:
+    """(dense, attention) multiply-accumulates of computing the rows at sequence positions
+    `positions` [R] through every layer: the projections and MLP, and attention over the keys at
+    positions <= each row's own (within the layer's window)."""
     pos = positions.to(torch.float64)
-    total = float(len(shape.windows) * shape.dense_per_row * pos.numel())
+    dense = float(len(shape.windows) * shape.dense_per_row * pos.numel())
+    attention = 0.0
     for window in shape.windows:
         seen = pos + 1 if window is None else torch.clamp(pos + 1, max=window)
-        total += 2.0 * shape.heads * shape.head_dim * float(seen.sum())
-    return total
+        attention += 2.0 * shape.heads * shape.head_dim * float(seen.sum())
+    return dense, attention
+
+
+def macs(shape: Shape, positions: torch.Tensor) -> float:
+    """All multiply-accumulates of computing the rows at `positions` [R] (`parts` summed)."""
+    return sum(parts(shape, positions))
 
 
 def arithmetic_share(shape: Shape, rows: torch.Tensor, n_tokens: int) -> float:
     """The work of recomputing `rows` [R] (sequence positions) over a full prefill of n_tokens."""
     return macs(shape, rows) / macs(shape, torch.arange(n_tokens))
+
+
+def shares(shape: Shape, rows: torch.Tensor, n_tokens: int) -> tuple[float, float]:
+    """(dense, attention): each part of recomputing `rows` [R] over a full prefill of n_tokens;
+    they sum to `arithmetic_share`."""
+    whole = macs(shape, torch.arange(n_tokens))
+    dense, attention = parts(shape, rows)
+    return dense / whole, attention / whole

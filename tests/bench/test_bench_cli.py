@@ -201,6 +201,26 @@ def test_bench_recompute_profile_lists_the_operators_of_recompute_and_full(folde
     assert all(r["seconds"] > 0 and r["ops"] and all(op["calls"] >= 1 for op in r["ops"]) for r in result["runs"])
 
 
+def test_bench_stages_takes_each_mode_apart_beside_its_arithmetic(folders, tmp_path, capsys):
+    out = tmp_path / "stages.json"
+    assert main(["bench", "stages", "--lengths", "120", "--runs", "1", "--modes", "reuse", "cacheclip@0.5",
+                 "--chunk-tokens", "40", "--json", str(out), *_args(folders, tmp_path / "s")]) == 0
+    printed = capsys.readouterr().out
+    assert "x arith" in printed and "cacheclip@0.5" in printed
+    rows = {r["mode"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"full", "reuse", "cacheclip"}
+    full, reuse, clip = rows["full"], rows["reuse"], rows["cacheclip"]
+    assert full["ttft"] == pytest.approx(1.0) and full["arithmetic"] == pytest.approx(1.0)
+    assert 0 < full["attention"] < full["recompute"]  # sdpa's share of the prefill, from the profile
+    # reuse recomputes the question's rows alone: its arithmetic is theirs
+    assert reuse["rows"] == reuse["question_rows"] and reuse["arithmetic"] == pytest.approx(reuse["arith_question"])
+    assert reuse["arithmetic"] < clip["arithmetic"] < 1 and clip["rows"] > clip["question_rows"]
+    for row in (reuse, clip):  # the loader's stages and the recompute's ranges were all seen
+        assert row["read"] > 0 and row["write"] > 0 and row["dense"] > 0 and row["attention"] > 0
+        parts = row["dense"] + row["attention"] + row["writes"] + row["logits"] + row["other"]
+        assert parts == pytest.approx(row["recompute"], rel=1e-6)
+
+
 def test_bench_qa_resumes_its_results_file_and_eval_runs_the_shipped_questions(folders, tmp_path, capsys):
     data = tmp_path / "hotpotqa.jsonl"
     data.write_text("\n".join(json.dumps({"input": f"Who keeps the key {i}?", "answers": ["Alice"], "_id": str(i),

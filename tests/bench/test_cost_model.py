@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cacheclip_bench.cost_model import Shape, arithmetic_share, macs
+from cacheclip_bench.cost_model import Shape, arithmetic_share, macs, parts, shares
 
 
 def test_counts_by_hand_rows_late_cost_more_than_rows_early():
@@ -18,6 +18,15 @@ def test_counts_by_hand_rows_late_cost_more_than_rows_early():
     assert late == pytest.approx((2 * 144 + 8 * 19) / full) and early == pytest.approx((2 * 144 + 8 * 3) / full)
     assert late > 0.2 > early  # 20% of the rows: more than 20% of the work late in the prompt, less early
     assert arithmetic_share(shape, torch.arange(10), 10) == pytest.approx(1.0)
+
+
+def test_the_dense_and_attention_parts_sum_to_the_whole():
+    shape = Shape(hidden=4, intermediate=8, heads=2, kv_heads=1, head_dim=2, windows=(None,))
+    assert parts(shape, torch.tensor([0, 9])) == (2 * 144, 8 * (1 + 10))
+    dense, attention = shares(shape, torch.tensor([8, 9]), 10)
+    full = 10 * 144 + 8 * sum(range(1, 11))
+    assert dense == pytest.approx(2 * 144 / full) and attention == pytest.approx(8 * 19 / full)
+    assert dense + attention == pytest.approx(arithmetic_share(shape, torch.tensor([8, 9]), 10))
 
 
 def test_a_sliding_window_caps_the_keys_a_row_sees():

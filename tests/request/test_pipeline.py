@@ -118,6 +118,9 @@ def test_breakdown_reports_overlap(eng):
     t = ans.timings
     assert {"selection", "selection_wait", "selection_hidden", "load", "load_wait", "assemble", "recompute"} <= set(t)
     assert 0.0 <= t["selection_hidden"] <= t["selection"] + 1e-9
+    stages = [t[f"assemble_{stage}"] for stage in pipeline.STAGES]  # the loader's time taken apart
+    assert all(s >= 0 for s in stages) and t["assemble_read"] > 0 and t["assemble_write"] > 0
+    assert sum(stages) <= t["assemble"] + 1e-6
 
 
 def test_selection_runs_first_where_both_models_share_the_cpu(eng):

@@ -13,10 +13,11 @@ from . import (
     qa,
     recompute_profile,
     schedules,
+    stages,
     store,
     ttft,
 )
 
-BENCHES = (niah, fidelity, deviation, ttft, schedules, recompute_profile, gpu, alignment, http, load, qa, index, store)
+BENCHES = (niah, fidelity, deviation, ttft, stages, schedules, recompute_profile, gpu, alignment, http, load, qa, index, store)
 
 __all__ = ["BENCHES"]

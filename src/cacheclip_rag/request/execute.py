@@ -30,7 +30,8 @@ class Executed:
 
     logits: [vocab] for the first new token; step: decodes the following ones; rows: [M] the
     rows recomputed at the last layer; plan: what the selector chose (its `trace` per chunk);
-    timings: seconds of selection, load, assemble, recompute and their waits.
+    timings: seconds of selection, load, assemble (taken apart: assemble_read, assemble_rotate,
+    assemble_write), recompute and their waits.
     """
 
     logits: torch.Tensor
@@ -130,6 +131,7 @@ def _recompute(prepared: Prepared, plan: Plan, cache: AssembledCache, feeder: La
                             embed=prepared.embed())
     feeder.finish()
     timings["assemble"] = feeder.busy  # loading + re-rotation per layer, overlapped when pipelined
+    timings.update({f"assemble_{stage}": seconds for stage, seconds in feeder.stages.items()})
     timings["load_wait"] = feeder.waited
     timings["recompute"] = time.perf_counter() - t - feeder.waited
     timings["cache"] = time.perf_counter() - start  # the request's cache built: load + assemble + recompute

@@ -33,6 +33,9 @@ Source = ChunkKV | LayerReader
 """A chunk's primary cache: fully in memory, or a reader that loads one layer at a time."""
 
 
+STAGES = ("read", "rotate", "write")
+"""What `LayerFeeder.stages` takes its busy time apart into."""
+
 DECODE_BLOCK = 6
 """Layers of a chunk read from the store together: a compressed record's are decoded in one call
 (`LayerReader.block`) and their keys re-rotated in one, both dominated by per-call overhead on
@@ -46,7 +49,9 @@ class LayerFeeder:
     cache: preallocated, the prefix rows already written. sources: chunk id -> Source.
     rebuild: (chunk id, error) -> fresh ChunkKV, when a file is found damaged while loading.
     Call `wait(l)` before running layer l; `busy` is the seconds spent loading and assembling,
-    `waited` the seconds the caller was blocked.
+    `waited` the seconds the caller was blocked, `stages` the busy seconds taken apart: "read"
+    (opening, reading and dequantizing the records), "rotate" (moving keys to their positions),
+    "write" (copying into the assembled cache).
     """
 
     def __init__(
@@ -73,6 +78,7 @@ class LayerFeeder:
         self._error: BaseException | None = None
         self.busy = 0.0
         self.waited = 0.0
+        self.stages = dict.fromkeys(STAGES, 0.0)
         if pipelined:
             self._thread = threading.Thread(target=self._run, name="cacheclip-layer-loader", daemon=True)
             self._thread.start()
@@ -140,6 +146,7 @@ class LayerFeeder:
         (every layer of most families). Only for a block that is one tensor already: stacking
         per-layer tensors (bf16 records, the memory tier) to move them together measured 25-40%
         slower than moving them layer by layer (the stack's copy and a working set past the caches)."""
+        start_time = time.perf_counter()
         keys = keys.to(self._cache.keys[0].device, non_blocking=True)
         out: list[torch.Tensor] = []
         start = 0
@@ -150,10 +157,14 @@ class LayerFeeder:
                 stop += 1
             out += rerotate(keys[start:stop], delta, inv_freq).unbind(0)
             start = stop
+        self.stages["rotate"] += time.perf_counter() - start_time
         return out
 
     def _fill(self, i: int) -> None:
+        stages, inv_freq = self.stages, self._lm.family.inv_freq(i)
         for seg in self._layout.chunk_segments():
+            start = time.perf_counter()
+            rotated = stages["rotate"]
             delta = int(self._positions[seg.start]) - self._sources[seg.chunk_id].start_pos
             try:
                 k, v, still = self._read(seg.chunk_id, i, delta)
@@ -162,7 +173,14 @@ class LayerFeeder:
                 self._sources[seg.chunk_id] = self._rebuild(seg.chunk_id, err)
                 delta = int(self._positions[seg.start]) - self._sources[seg.chunk_id].start_pos
                 k, v, still = self._read(seg.chunk_id, i, delta)
-            write_segment(self._cache, i, seg, k, v, still, self._lm.family.inv_freq(i))
+            read = time.perf_counter()
+            stages["read"] += read - start - (stages["rotate"] - rotated)  # a block's move is timed in _move
+            device = self._cache.keys[i].device
+            k = rerotate(k.to(device, non_blocking=True), still, inv_freq)
+            moved = time.perf_counter()
+            stages["rotate"] += moved - read
+            write_segment(self._cache, i, seg, k, v, 0, inv_freq)
+            stages["write"] += time.perf_counter() - moved
 
     def wait(self, layer: int) -> None:
         start = time.perf_counter()

@@ -25,9 +25,17 @@ from cacheclip_kernels import (
     sparse_query_attention,
     sparse_query_attention_ref,
 )
+from torch.profiler import record_function
 
 from ..models.loading import LoadedModel
 from .assemble import AssembledCache
+
+STAGES = {"dense": "cacheclip.recompute.dense", "write": "cacheclip.recompute.write",
+          "attention": "cacheclip.recompute.attention", "logits": "cacheclip.recompute.logits"}
+"""The profiler ranges `recompute_rows` marks (torch.profiler.record_function): the rows'
+projections, norms, RoPE and MLP; writing their K/V into the cache (and a hook's keep); their
+attention; the logits. A profile of a request groups its time by them (`bench recompute-profile
+--stages`); they cost nothing measurable without a profiler."""
 
 
 def uses_kernel(backend: str, on_cuda: bool) -> bool:
@@ -143,14 +151,16 @@ def recompute_rows(
         if layer_ready is not None:
             layer_ready(layer)
         keys, values = cache.keys[layer], cache.values[layer]
-        q, k, v = fam.qkv(layer, h, rope)
-        keep = hook.keep(layer, rows, k, v, keys[:, :, rows], values[:, :, rows]) if hook is not None else None
-        if keep is not None:
-            rows, h, q, k, v = rows[keep], h[:, keep], q[:, :, keep], k[:, :, keep], v[:, :, keep]
-            rope = {t: (cos[:, keep], sin[:, keep]) for t, (cos, sin) in rope.items()}
-            plans.clear()
-        keys[:, :, rows] = k
-        values[:, :, rows] = v
+        with record_function(STAGES["dense"]):
+            q, k, v = fam.qkv(layer, h, rope)
+        with record_function(STAGES["write"]):
+            keep = hook.keep(layer, rows, k, v, keys[:, :, rows], values[:, :, rows]) if hook is not None else None
+            if keep is not None:
+                rows, h, q, k, v = rows[keep], h[:, keep], q[:, :, keep], k[:, :, keep], v[:, :, keep]
+                rope = {t: (cos[:, keep], sin[:, keep]) for t, (cos, sin) in rope.items()}
+                plans.clear()
+            keys[:, :, rows] = k
+            values[:, :, rows] = v
         if observe is not None:
             observe(layer, q, rows)
         scale, window = fam.scaling(layer), fam.window(layer)
@@ -158,9 +168,12 @@ def recompute_rows(
         if layer == last and rows.numel() > tail:
             # Every row's K/V is written; only the last `tail` rows' outputs reach the logits.
             q, h, q_rows, plan = q[:, :, -tail:], h[:, -tail:], rows[-tail:], None
-        out = hook.attend(q, keys, values, q_rows[None], scale, window) if hook is not None else None
-        if out is None:
-            out = attend(q, keys, values, q_rows[None], scale, backend, window, plan)
-        h = fam.finish(layer, h, out)
-    logits = fam.logits(h[:, -tail:])[0].float().cpu()  # [tail, vocab], on the host for decoding
+        with record_function(STAGES["attention"]):
+            out = hook.attend(q, keys, values, q_rows[None], scale, window) if hook is not None else None
+            if out is None:
+                out = attend(q, keys, values, q_rows[None], scale, backend, window, plan)
+        with record_function(STAGES["dense"]):
+            h = fam.finish(layer, h, out)
+    with record_function(STAGES["logits"]):
+        logits = fam.logits(h[:, -tail:])[0].float().cpu()  # [tail, vocab], on the host for decoding
     return RecomputeResult(logits[-1], rows.cpu(), logits if tail > 1 else None)
