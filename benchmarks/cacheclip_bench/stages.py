@@ -13,6 +13,9 @@ stage is given as a share of full's TTFT measured in the same run:
 - dense / attention / writes / logits / other: the recompute's time by profiler range, scaled
   to its unprofiled wall time; `other` is what no range holds (embedding, RoPE tables, block
   plans, per-layer Python);
+- full-model: the model's own forward over the same tokens (transformers' SDPA attention,
+  its share from the profile), beside the engine's `full`, which may prefill through the
+  recompute loop instead (`EngineConfig.full_prefill`);
 - the arithmetic shares (`cost_model`): the recomputed rows' projections and MLP, their
   attention over the keys each sees, and of those the question's rows (every uncached row,
   what `reuse` recomputes) - the limit each measured stage could reach if only arithmetic
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,6 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from cacheclip_rag import CacheClipEngine
 from cacheclip_rag.analysis import needle_context
+from cacheclip_rag.request.execute import SELECTION
 from cacheclip_rag.request.recompute import STAGES
 
 from . import cost_model
@@ -83,10 +88,17 @@ def _median(values: list[float]) -> float:
 
 
 def _ranges(prof) -> dict[str, float]:
-    """Seconds in each recompute range (children included) and in full's attention operator."""
-    totals = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages()}
-    out = {name: totals.get(key, 0.0) for name, key in STAGES.items()}
-    out["full_attention"] = sum(totals.get(op, 0.0) for op in FULL_ATTENTION_OPS)
+    """Seconds in each recompute range (children included) and in full's attention operator,
+    leaving out what ran inside the selection (ProphetKV's first stage runs the same layer loop)."""
+    events = prof.events()
+    selecting = [(e.time_range.start, e.time_range.end) for e in events if e.name == SELECTION]
+
+    def outside(e) -> bool:
+        return not any(start <= e.time_range.start and e.time_range.end <= end for start, end in selecting)
+
+    out = {name: sum(e.cpu_time_total for e in events if e.name == key and outside(e)) / 1e6
+           for name, key in STAGES.items()}
+    out["full_attention"] = sum(e.cpu_time_total for e in events if e.name in FULL_ATTENTION_OPS) / 1e6
     return out
 
 
@@ -106,25 +118,57 @@ def run(engine: CacheClipEngine, lengths: list[int], modes: list[tuple[str, floa
             return engine.answer(question, chunk_ids=ids, recompute_ratio=ratio, max_new_tokens=1,
                                  **request_for(mode, budget))
 
+        forward = _model_forward(engine, question, ids)
         ask("cacheclip", 0.2)  # warm-up
-        timed = {m: [] for m in every}
+        timed = {m: [] for m in [*every, MODEL_FORWARD]}
         for _ in range(runs):
             for m in every:
                 timed[m].append(ask(*m))
                 if progress:
                     progress(f"{length} {m[0]}: {timed[m][-1].timings['ttft']:.2f} s")
+            timed[MODEL_FORWARD].append(forward())
         profiled = {}
-        for m in every:
+        for m in [*every, MODEL_FORWARD]:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                answer = ask(*m)
+                answer = forward() if m == MODEL_FORWARD else ask(*m)
             profiled[m] = (answer, _ranges(prof))
             if progress:
                 progress(f"{length} {m[0]} profiled")
         full_s = _median([a.timings["ttft"] for a in timed[("full", 1.0)]])
         question = engine.prepare(question, chunk_ids=ids, mode="reuse").layout.uncached_rows()
-        for m in every:
+        for m in [*every, MODEL_FORWARD]:
             out.append(_row(length, m, timed[m], profiled[m], full_s, shape, question))
     return out
+
+
+MODEL_FORWARD = ("full-model", 1.0)
+"""A reference row: the full prefill by the model's own forward (transformers' SDPA attention),
+whichever way the engine's `full` mode prefills (`EngineConfig.full_prefill`)."""
+
+
+@dataclass
+class _Timed:
+    """What `_row` reads of a model-forward prefill, shaped as an Answer's fields."""
+
+    timings: dict[str, float]
+    prompt_tokens: int
+    recomputed: list[int]
+
+
+def _model_forward(engine: CacheClipEngine, question: str, ids: list[str]):
+    """A callable timing the model's own forward over the `full` request's tokens (logits of the last row)."""
+    lm = engine.primary.lm
+    input_ids = engine.prepare(question, chunk_ids=ids, mode="full").layout.input_ids
+
+    def forward() -> _Timed:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            lm.model(input_ids=input_ids[None].to(lm.device), use_cache=True, logits_to_keep=1)
+        seconds = time.perf_counter() - start
+        n = int(input_ids.numel())
+        return _Timed({"ttft": seconds, "recompute": seconds}, n, list(range(n)))
+
+    return forward
 
 
 def _row(length: int, mode: tuple[str, float], answers: list, profiled: tuple, full_s: float,
@@ -138,13 +182,13 @@ def _row(length: int, mode: tuple[str, float], answers: list, profiled: tuple, f
 
     answer, ranges = profiled
     recompute = share("recompute")
-    if name == "full":
+    if name == MODEL_FORWARD[0]:
         rows = torch.arange(n)
         whole = answer.timings["recompute"]
         attention = recompute * min(1.0, ranges["full_attention"] / whole) if whole else 0.0
         parts = dict(dense=recompute - attention, attention=attention, writes=0.0, logits=0.0, other=0.0)
     else:
-        rows = torch.tensor(first.recomputed, dtype=torch.long)
+        rows = torch.arange(n) if name == "full" else torch.tensor(first.recomputed, dtype=torch.long)
         whole = answer.timings["recompute"]  # the profiled run's wall time, ranges included
         parts = {stage: recompute * ranges[stage] / whole if whole else 0.0 for stage in STAGES}
         parts["other"] = max(0.0, recompute - sum(parts.values()))
@@ -154,18 +198,18 @@ def _row(length: int, mode: tuple[str, float], answers: list, profiled: tuple, f
         full_s=full_s, ttft=share("ttft"), selection=share("selection"), read=share("assemble_read"),
         rotate=share("assemble_rotate"), write=share("assemble_write"), wait=share("load_wait"),
         recompute=recompute, **parts, arith_dense=arith_dense, arith_attention=arith_attention,
-        arith_question=cost_model.arithmetic_share(shape, question, n) if name != "full" else 0.0,
+        arith_question=0.0 if name in ("full", MODEL_FORWARD[0]) else cost_model.arithmetic_share(shape, question, n),
     )
 
 
 def requests(lengths: list[int], modes: list[tuple[str, float]], runs: int) -> int:
     """How many requests `run` makes (its progress steps)."""
     every = 1 + sum(m[0] != "full" for m in modes)
-    return len(lengths) * every * (runs + 1)
+    return len(lengths) * (every * (runs + 1) + 1)
 
 
 def label(row: StageRow) -> str:
-    return row.mode if row.mode in ("full", "reuse", "ape") else f"{row.mode}@{ratio_text(row.ratio)}"
+    return row.mode if row.mode in ("full", MODEL_FORWARD[0], "reuse", "ape") else f"{row.mode}@{ratio_text(row.ratio)}"
 
 
 def table(rows: list[StageRow]) -> str:
@@ -186,7 +230,8 @@ def table(rows: list[StageRow]) -> str:
                  + ", ".join(f"{n}: {s:.2f} s" for n, s in fulls.items()) + "); read/rotate/write run on the "
                  "loader's thread beside the recompute (wait: what the recompute waited for them); dense/attn/"
                  "writes/logits/other split the recompute by profiler range; a.*: arithmetic shares (a.quest: "
-                 "the question's rows, inside a.sum); x arith: recomp / a.sum")
+                 "the question's rows, inside a.sum); x arith: recomp / a.sum; full-model: the model's own forward "
+                 "(transformers' SDPA), beside the engine's full")
     return "\n".join(lines)
 
 

@@ -256,6 +256,9 @@ class ModelConfig:
         return resolve_dtype(self.dtype, device, flags)
 
 
+FULL_PREFILLS = ("auto", "model", "loop")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """All engine settings; each part validates itself."""
@@ -280,9 +283,16 @@ class EngineConfig:
     packets: str | None = "auto"
     """KV Packet adapters for the packet modes: "auto" (the ones shipped for the primary, if
     any), a .safetensors file from `cacheclip train packet`, or None (packet modes off)."""
+    full_prefill: str = "auto"
+    """How the `full` mode (and any plan that reuses nothing) prefills: "model" (the model's own
+    forward), "loop" (the recompute's layer loop over every row, the same arithmetic), "auto"
+    (the loop where its attention is faster: half precision on a CPU without AMX, where matmul
+    blocks beat the flash kernel transformers calls; else the model's forward)."""
 
     def __post_init__(self) -> None:
         check_positive("top_k", self.top_k)
+        if self.full_prefill not in FULL_PREFILLS:
+            raise ValueError(f"full_prefill must be one of {list(FULL_PREFILLS)}, got {self.full_prefill!r}")
         if self.packets is not None and (not isinstance(self.packets, str) or not self.packets):
             raise ValueError(f"packets must be 'auto', a path to an adapter file, or None, got {self.packets!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):

@@ -1,10 +1,13 @@
 """The engine on tiny random models: modes, oracles end to end, streaming, healing, bad input."""
 
+import copy
+
 import pytest
 import torch
 from conftest import CORPUS, tiny_model
 
 from cacheclip_rag import CacheClipEngine, ChunkConfig, EngineConfig
+from cacheclip_rag.models.loading import wrap
 
 QUESTION = "what is the code in the kitchen drawer?"
 
@@ -39,6 +42,35 @@ def test_ratio_one_equals_full_and_ratio_zero_equals_reuse(engine):
     clip0 = engine.answer(QUESTION, chunk_ids=ids, mode="cacheclip", recompute_ratio=0.0, max_new_tokens=8)
     assert clip0.text == reuse.text and clip0.recomputed == reuse.recomputed
     assert reuse.effective_fraction == 0.0 and reuse.cached_tokens > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_by_the_layer_loop_equals_full_by_the_model(tiny_pair, tmp_path, dtype):
+    """`full_prefill="loop"` computes every row through the recompute loop: the model's own full
+    prefill, the same greedy text and first logits (within the dtype's rounding)."""
+    primary, aux = tiny_pair
+    primary = wrap(copy.deepcopy(primary.model).to(dtype), primary.tokenizer, f"tiny-{dtype}")
+    answers = {}
+    for how in ("model", "loop"):
+        cfg = EngineConfig(chunk=ChunkConfig(chunk_tokens=24, overlap_tokens=4), full_prefill=how)
+        eng = CacheClipEngine(primary, aux, tmp_path / how, cfg)
+        ids = eng.ingest(CORPUS, progress=False)[:4]
+        answers[how] = eng.answer(QUESTION, chunk_ids=ids, mode="full", max_new_tokens=8)
+    assert answers["loop"].text == answers["model"].text
+    assert answers["loop"].recomputed == answers["model"].recomputed and answers["loop"].cached_tokens == 0
+
+
+def test_full_prefill_auto_takes_the_loop_only_where_its_attention_is_faster():
+    from cacheclip_kernels import default_kind
+
+    from cacheclip_rag.request.recompute import loop_prefills_faster
+
+    cpu = torch.device("cpu")
+    assert not loop_prefills_faster("auto", cpu, torch.float32)  # split blocks: the model's forward
+    assert loop_prefills_faster("auto", cpu, torch.bfloat16) == (default_kind(cpu, torch.bfloat16, None) == "matmul")
+    assert not loop_prefills_faster("auto", torch.device("cuda"), torch.bfloat16)  # the Triton kernel's device
+    with pytest.raises(ValueError, match="full_prefill must be one of"):
+        EngineConfig(full_prefill="fast")
 
 
 def test_cacheclip_answer_metadata(engine):

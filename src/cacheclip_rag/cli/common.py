@@ -10,7 +10,7 @@ import logging
 import sys
 from pathlib import Path
 
-from ..config import ChunkConfig, EngineConfig, ModelConfig, PromptConfig, SelectConfig, StoreConfig
+from ..config import FULL_PREFILLS, ChunkConfig, EngineConfig, ModelConfig, PromptConfig, SelectConfig, StoreConfig
 from ..engine import CacheClipEngine
 from ..models.loading import DEFAULT_AUX, DEFAULT_PRIMARY
 from ..paths import read_user_text
@@ -39,6 +39,7 @@ def engine_config(args, chunk: ChunkConfig | None = None, prompt: PromptConfig |
         select=SelectConfig(score_layers=tuple(layers) if layers else None),
         packets=packets_arg(getattr(args, "adapters", "auto")),
         prompt=prompt or PromptConfig(),
+        full_prefill=getattr(args, "full_prefill", "auto"),
     )
 
 
@@ -101,6 +102,9 @@ def add_common(p: argparse.ArgumentParser, store_default: str | None = "cachecli
     p.add_argument("--adapters", default="auto", metavar="FILE",
                    help="KV Packet adapters for the packet modes: auto (shipped for the primary), a .safetensors "
                    "file from `cacheclip train packet`, or none")
+    p.add_argument("--full-prefill", default="auto", choices=list(FULL_PREFILLS),
+                   help="how the full mode prefills: model (its own forward), loop (the recompute's layer loop over "
+                   "every row), auto (the loop where its attention is faster: half precision on a CPU without AMX)")
     p.add_argument("-v", "--verbose", action="store_true")
 
 

@@ -14,14 +14,19 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from .assemble import AssembledCache
 from .context import Prepared
 from .decode import Step, hf_step
 from .pipeline import LayerFeeder, start_assembly
 from .plan import Plan
-from .recompute import LayerHook, recompute_rows
+from .recompute import LayerHook, loop_prefills_faster, recompute_rows
 from .selector import Selector
+
+
+SELECTION = "cacheclip.selection"
+"""The profiler range of a selection planned on the request's own thread."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,8 @@ def execute(prepared: Prepared, pool: Executor | None) -> Executed:
     if overlap:
         future = pool.submit(selector.plan_for, prepared)
     else:
-        plan = selector.plan_for(prepared)  # an aux selection first: nothing competes with it
+        with record_function(SELECTION):  # a profile tells the selection's own layer loops from the recompute's
+            plan = selector.plan_for(prepared)  # an aux selection first: nothing competes with it
         timings["selection"] = plan.seconds  # on the critical path (ProphetKV's first stage, too)
         if uses_aux:
             _check_keeps_positions(selector, plan)
@@ -109,13 +115,30 @@ def _source(prepared: Prepared, seg):
     return prepared.primary.get(seg.chunk_id, seg.text)
 
 
+def by_loop(prepared: Prepared) -> bool:
+    """Whether this request's full prefill runs through the recompute loop (`EngineConfig.full_prefill`)."""
+    config, lm = prepared.config, prepared.primary.lm
+    if config.full_prefill != "auto":
+        return config.full_prefill == "loop"
+    return loop_prefills_faster(config.attention_backend, lm.device, lm.dtype)
+
+
 def _full_prefill(prepared: Prepared, plan: Plan, timings: dict[str, float]) -> Executed:
+    """Nothing reused: every row computed, by the model's own forward or by the recompute loop
+    over every row into a fresh cache (`by_loop`); the same arithmetic either way."""
     lm, layout = prepared.primary.lm, prepared.layout
+    rows = torch.arange(layout.prefix_len, layout.num_tokens)
     t = time.perf_counter()
+    if by_loop(prepared):
+        n = layout.num_tokens
+        cache = AssembledCache.empty(lm, n + prepared.request.options.max_new_tokens)
+        result = recompute_rows(lm, cache, layout.input_ids, torch.arange(n), backend=prepared.config.attention_backend,
+                                embed=prepared.embed())
+        timings["recompute"] = time.perf_counter() - t
+        return Executed(result.logits, own_step(prepared, cache, torch.arange(n), None), rows, plan, timings)
     with torch.inference_mode():
         out = lm.model(input_ids=layout.input_ids[None].to(lm.device), use_cache=True, logits_to_keep=1)
     timings["recompute"] = time.perf_counter() - t
-    rows = torch.arange(layout.prefix_len, layout.num_tokens)
     return Executed(out.logits[0, -1].float().cpu(), hf_step(lm, out.cache, layout.num_tokens), rows, plan, timings)
 
 
