@@ -200,6 +200,22 @@ def test_the_default_kind_follows_device_dtype_and_window(monkeypatch):
                           BlockPlan.build(pos, 600, kind="matmul"))
 
 
+def test_matmul_sub_blocks_are_cut_where_rows_spread_thin():
+    from cacheclip_kernels import BlockPlan, blocked
+
+    dense = BlockPlan.build(torch.arange(1000, 1200), 1300, kind="matmul")  # contiguous rows: full sub-blocks
+    assert [b.rows.stop - b.rows.start for b in dense.matmul] == [64, 64, 64, 8]
+    sparse = torch.cat([torch.arange(0, 3200, 40), torch.arange(3200, 3300)])  # 80 rows 40 apart, then 100 in a run
+    plan = BlockPlan.build(sparse, 3300, kind="matmul")
+    sizes = [b.rows.stop - b.rows.start for b in plan.matmul]
+    assert sum(sizes) == 180 and sizes[0] == blocked.MIN_SUB_ROWS  # 256 positions hold 7 rows: the floor holds
+    for b in plan.matmul:
+        p = sparse[b.rows]
+        rows = b.rows.stop - b.rows.start
+        assert rows <= blocked.SUB_ROWS
+        assert int(p[-1] - p[0]) < blocked.SUB_SPAN or rows == blocked.MIN_SUB_ROWS
+
+
 @pytest.mark.parametrize("kind, window", [("split", None), ("matmul", None), ("matmul", 256)])
 def test_half_precision_blocks_stay_near_the_float32_reference(kind, window):
     from cacheclip_kernels import BlockPlan, blocked_attention
