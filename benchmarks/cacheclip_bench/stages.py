@@ -34,9 +34,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from cacheclip_rag import CacheClipEngine
-from cacheclip_rag.analysis import needle_context
-from cacheclip_rag.request.execute import SELECTION
-from cacheclip_rag.request.recompute import STAGES
+from cacheclip_rag.analysis import RECOMPUTE_STAGES as STAGES
+from cacheclip_rag.analysis import SELECTION, needle_context
 
 from . import cost_model
 from .needle import ratio_text, request_for

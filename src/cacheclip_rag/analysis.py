@@ -70,9 +70,11 @@ from .offline.reference import (
 from .paths import cache_dir, read_user_text
 from .request import selector as selector_registry
 from .request.assemble import AssembledCache
+from .request.execute import SELECTION
 from .request.options import ratio_arg
 from .request.pipeline import assemble
 from .request.plan import Plan
+from .request.recompute import STAGES as RECOMPUTE_STAGES
 from .request.recompute import attention_path, recompute_rows
 from .request.selector import Selector, register
 from .selectors.aux_scores import aux_scores
@@ -87,7 +89,8 @@ from .storage.store import hit_rate
 
 __all__ = [
     "AUTO", "AssembledCache", "CALIBRATION_SEED_BASE", "CacheClip", "CacheClipStale", "Cascade", "ChunkIndex",
-    "LoadedModel", "NeedleSample", "PipelineConfig", "Plan", "ProphetKV", "QAExample", "Reference", "Selector", "VARIANTS",
+    "LoadedModel", "NeedleSample", "PipelineConfig", "Plan", "ProphetKV", "QAExample", "RECOMPUTE_STAGES", "Reference",
+    "SELECTION", "Selector", "VARIANTS",
     "add_common", "add_dtype", "assemble", "attention_from_rows", "attention_path", "aux_deviation", "aux_scores", "cache_dir",
     "codec_names", "codecs", "describe_cpu", "encode_text", "engine_config", "engine_from_args",
     "gguf_path", "hit_rate", "kl_positions", "load_model", "machine", "needle_context", "needle_samples",

@@ -273,7 +273,7 @@ def test_every_bench_is_one_module_behind_the_harness_interface():
     from cacheclip_bench.benches import BENCHES
 
     names = [b.NAME for b in BENCHES]
-    assert len(names) == len(set(names)) == 13
+    assert len(names) == len(set(names)) == 14
     for bench in BENCHES:
         assert isinstance(bench.HELP, str) and bench.HELP
         assert callable(bench.arguments) and callable(bench.measure)
