@@ -25,7 +25,6 @@ stage is given as a share of full's TTFT measured in the same run:
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from cacheclip_rag.analysis import RECOMPUTE_STAGES as STAGES
 from cacheclip_rag.analysis import SELECTION, needle_context
 
 from . import cost_model
+from .stats import median_or_zero
 from .needle import ratio_text, request_for
 
 FULL_ATTENTION_OPS = ("aten::scaled_dot_product_attention",)
@@ -80,10 +80,6 @@ class StageRow:
     def excess(self) -> float:
         """The recompute's measured share over its arithmetic share (1: at the limit)."""
         return self.recompute / self.arithmetic if self.arithmetic else float("nan")
-
-
-def _median(values: list[float]) -> float:
-    return float(statistics.median(values)) if values else 0.0
 
 
 def _ranges(prof) -> dict[str, float]:
@@ -133,7 +129,7 @@ def run(engine: CacheClipEngine, lengths: list[int], modes: list[tuple[str, floa
             profiled[m] = (answer, _ranges(prof))
             if progress:
                 progress(f"{length} {m[0]} profiled")
-        full_s = _median([a.timings["ttft"] for a in timed[("full", 1.0)]])
+        full_s = median_or_zero([a.timings["ttft"] for a in timed[("full", 1.0)]])
         question = engine.prepare(question, chunk_ids=ids, mode="reuse").layout.uncached_rows()
         for m in [*every, MODEL_FORWARD]:
             out.append(_row(length, m, timed[m], profiled[m], full_s, shape, question))
@@ -177,7 +173,7 @@ def _row(length: int, mode: tuple[str, float], answers: list, profiled: tuple, f
     n = first.prompt_tokens
 
     def share(key: str) -> float:
-        return _median([a.timings.get(key, 0.0) for a in answers]) / full_s
+        return median_or_zero([a.timings.get(key, 0.0) for a in answers]) / full_s
 
     answer, ranges = profiled
     recompute = share("recompute")

@@ -51,3 +51,8 @@ def nanmean(values: Sequence[float]) -> float:
     """The mean of the values that are not nan (nan where none is)."""
     kept = [v for v in values if v == v]
     return float(np.mean(kept)) if kept else float("nan")
+
+
+def median_or_zero(values: Sequence[float]) -> float:
+    """The median of the values (0 where there are none: a stage a request never timed)."""
+    return float(np.median(values)) if len(values) else 0.0

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import statistics
 import threading
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -24,6 +23,7 @@ from cacheclip_rag import CacheClipEngine
 from cacheclip_rag.analysis import needle_context
 
 from . import cost_model
+from .stats import median_or_zero
 from .needle import ratio_text, request_for, uses_packets, with_full
 
 log = logging.getLogger(__name__)
@@ -89,10 +89,6 @@ def peak_rss(result: list[float], interval: float = 0.005):
         result.append(max(0, max(peak, _rss()) - base) / 2**20)
 
 
-def _median(values: list[float]) -> float:
-    return float(statistics.median(values)) if values else 0.0
-
-
 def run(
     engine: CacheClipEngine,
     lengths: list[int],
@@ -142,7 +138,7 @@ def run(
                     peer_runs[name].append(peer.ttft(prompt_ids))
                 if progress:
                     progress(f"{length} {name}: {peer_runs[name][-1][0]:.1f} s")
-        full_ttft = _median([a.timings["ttft"] for a in samples[("full", 1.0)]])
+        full_ttft = median_or_zero([a.timings["ttft"] for a in samples[("full", 1.0)]])
         shape = cost_model.Shape.of(engine.primary.lm)
         for (mode, ratio), answers in samples.items():
             ttft = [a.timings["ttft"] for a in answers]
@@ -153,17 +149,17 @@ def run(
                     ratio=1.0 if mode == "full" else (0.0 if mode in ("reuse", "ape") else ratio),
                     prompt_tokens=answers[0].prompt_tokens,
                     runs=len(answers),
-                    ttft_median=_median(ttft),
+                    ttft_median=median_or_zero(ttft),
                     ttft_min=min(ttft),
                     ttft_max=max(ttft),
-                    vs_full=_median(ttft) / full_ttft if full_ttft else float("nan"),
-                    selection=_median([a.timings["selection"] for a in answers]),
-                    load=_median([a.timings["load"] for a in answers]),
-                    assemble=_median([a.timings["assemble"] for a in answers]),
-                    recompute=_median([a.timings["recompute"] for a in answers]),
-                    selection_hidden=_median([a.timings.get("selection_hidden", 0.0) for a in answers]),
-                    load_wait=_median([a.timings.get("load_wait", 0.0) for a in answers]),
-                    peak_mb=_median(peaks[(mode, ratio)]),
+                    vs_full=median_or_zero(ttft) / full_ttft if full_ttft else float("nan"),
+                    selection=median_or_zero([a.timings["selection"] for a in answers]),
+                    load=median_or_zero([a.timings["load"] for a in answers]),
+                    assemble=median_or_zero([a.timings["assemble"] for a in answers]),
+                    recompute=median_or_zero([a.timings["recompute"] for a in answers]),
+                    selection_hidden=median_or_zero([a.timings.get("selection_hidden", 0.0) for a in answers]),
+                    load_wait=median_or_zero([a.timings.get("load_wait", 0.0) for a in answers]),
+                    peak_mb=median_or_zero(peaks[(mode, ratio)]),
                     effective_fraction=answers[0].effective_fraction,
                     correct=sum(expected in a.text for a in answers) / len(answers),
                     arithmetic=1.0 if mode == "full" else cost_model.arithmetic_share(
@@ -197,9 +193,9 @@ def _peer_row(length: int, name: str, peer, runs: list[tuple[float, int]], peaks
     times = [t for t, _ in runs]
     pieces = [tokenizer.decode([tok]).strip() for _, tok in runs]
     agree = sum(bool(piece) and full.text.strip().startswith(piece) for piece in pieces)
-    median = _median(times)
+    median = median_or_zero(times)
     return TTFTRow(**same, runs=len(times), ttft_median=median, ttft_min=min(times), ttft_max=max(times),
-                   vs_full=median / full_ttft if full_ttft else nan, recompute=median, peak_mb=_median(peaks),
+                   vs_full=median / full_ttft if full_ttft else nan, recompute=median, peak_mb=median_or_zero(peaks),
                    note=f"llama-cpp-python {peer.version}, {peer.gguf.name}, {peer.threads} threads; first token as "
                         f"full's in {agree}/{len(runs)} runs")
 

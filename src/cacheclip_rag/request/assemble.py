@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from ..models.loading import LoadedModel
-from ..models.rope import rerotate
 from ..storage.record import ChunkKV
 
 
@@ -108,16 +107,11 @@ def write_prefix(cache: AssembledCache, layout: Layout, prefix_kv: ChunkKV) -> N
         cache.values[layer][0, :, :p] = v
 
 
-def write_segment(
-    cache: AssembledCache, layer: int, seg: Segment, k: torch.Tensor, v: torch.Tensor, delta: int, inv_freq: torch.Tensor
-) -> None:
-    """One layer of one chunk into its rows, keys moved by `delta` positions (with that layer's
-    RoPE frequencies: `Family.inv_freq(layer)`). k, v may live on the host: they are copied to
-    the cache's device first, so re-rotation runs there."""
-    device = cache.keys[layer].device
-    k, v = k.to(device, non_blocking=True), v.to(device, non_blocking=True)
-    cache.keys[layer][0, :, seg.start : seg.end] = rerotate(k, delta, inv_freq)
-    cache.values[layer][0, :, seg.start : seg.end] = v
+def write_segment(cache: AssembledCache, layer: int, seg: Segment, k: torch.Tensor, v: torch.Tensor) -> None:
+    """One layer of one chunk into its rows, keys already moved to their positions
+    (`pipeline.LayerFeeder` re-rotates them on the cache's device first). v may live on the host."""
+    cache.keys[layer][0, :, seg.start : seg.end] = k
+    cache.values[layer][0, :, seg.start : seg.end] = v.to(cache.values[layer].device, non_blocking=True)
 
 
 @dataclass

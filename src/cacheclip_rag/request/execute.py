@@ -14,14 +14,13 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import torch
-from torch.profiler import record_function
 
 from .assemble import AssembledCache
 from .context import Prepared
 from .decode import Step, hf_step
 from .pipeline import LayerFeeder, start_assembly
 from .plan import Plan
-from .recompute import LayerHook, loop_prefills_faster, recompute_rows
+from .recompute import LayerHook, loop_prefills_faster, profile_range, recompute_rows
 from .selector import Selector
 
 
@@ -73,7 +72,7 @@ def execute(prepared: Prepared, pool: Executor | None) -> Executed:
     if overlap:
         future = pool.submit(selector.plan_for, prepared)
     else:
-        with record_function(SELECTION):  # a profile tells the selection's own layer loops from the recompute's
+        with profile_range(SELECTION):  # a profile tells the selection's own layer loops from the recompute's
             plan = selector.plan_for(prepared)  # an aux selection first: nothing competes with it
         timings["selection"] = plan.seconds  # on the critical path (ProphetKV's first stage, too)
         if uses_aux:
@@ -130,12 +129,12 @@ def _full_prefill(prepared: Prepared, plan: Plan, timings: dict[str, float]) -> 
     rows = torch.arange(layout.prefix_len, layout.num_tokens)
     t = time.perf_counter()
     if by_loop(prepared):
-        n = layout.num_tokens
-        cache = AssembledCache.empty(lm, n + prepared.request.options.max_new_tokens)
-        result = recompute_rows(lm, cache, layout.input_ids, torch.arange(n), backend=prepared.config.attention_backend,
+        every = torch.arange(layout.num_tokens)  # each row, at its own position
+        cache = AssembledCache.empty(lm, layout.num_tokens + prepared.request.options.max_new_tokens)
+        result = recompute_rows(lm, cache, layout.input_ids, every, backend=prepared.config.attention_backend,
                                 embed=prepared.embed())
         timings["recompute"] = time.perf_counter() - t
-        return Executed(result.logits, own_step(prepared, cache, torch.arange(n), None), rows, plan, timings)
+        return Executed(result.logits, own_step(prepared, cache, every, None), rows, plan, timings)
     with torch.inference_mode():
         out = lm.model(input_ids=layout.input_ids[None].to(lm.device), use_cache=True, logits_to_keep=1)
     timings["recompute"] = time.perf_counter() - t

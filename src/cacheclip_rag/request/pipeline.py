@@ -179,7 +179,7 @@ class LayerFeeder:
             k = rerotate(k.to(device, non_blocking=True), still, inv_freq)
             moved = time.perf_counter()
             stages["rotate"] += moved - read
-            write_segment(self._cache, i, seg, k, v, 0, inv_freq)
+            write_segment(self._cache, i, seg, k, v)
             stages["write"] += time.perf_counter() - moved
 
     def wait(self, layer: int) -> None:
